@@ -10,8 +10,8 @@ core and every reported timestamp stay in modelled milliseconds.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures as cf
+import contextlib
 import logging
 import queue
 import threading
