@@ -1,8 +1,8 @@
 """Safe arithmetic formulas that predict how long a prefill batch takes, in milliseconds.
 
 Operators describe a modelled GPU's prefill cost as a small expression (DESIGN §7), for example
-``12 + 0.065*computeTokens + 2.5e-7*computeTokens^2``. That text arrives from config files and the
-admin API, so it is never given to ``eval``: a hand-written recursive-descent parser turns it into
+``12 + 0.065*computeTokens + 2.5e-7*computeTokens^2``. That text comes from configuration, not from
+this code, so it is never given to ``eval``: a hand-written recursive-descent parser turns it into
 a closed set of nodes, and this module builds a Python ``ast`` from those nodes itself and compiles
 it once. User text can only pick constants and the shape of the tree; every name the generated code
 can reach is a helper placed in its namespace (it runs with empty builtins). The compiled function
@@ -46,6 +46,7 @@ import ast
 import difflib
 import functools
 import math
+import operator
 import re
 import sys
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -63,17 +64,17 @@ __all__ = [
     "compile_formula",
 ]
 
-# A rough stand-in for an 8B model on one H100 (~15k prefill tokens/s plus a small attention term);
-# docs/engine-model.md derives the real numbers. Applied to a batch, its square term squares the
-# batch's total compute tokens (see the module docstring), which errs on the slow side.
-DEFAULT_PREFILL_FORMULA = "12 + 0.065*computeTokens + 2.5e-7*computeTokens^2"
+# The `llama3.1-8b-h100` roofline of docs/engine-model.md in formula form (within ~1 % of it):
+# 7 ms per batch, 29.5 us per computed token, and causal attention over the cached prefix.
+DEFAULT_PREFILL_FORMULA = "7 + sum(0.0295*computeTokens + 0.000000482*computeTokens*(computeTokens + 2*hitCacheTokens))"
 
 # The shape upstream fitted to measured batches: a fixed launch cost, a slowly growing per-batch
 # overhead, and per-request linear plus attention-square terms.
 UPSTREAM_FITTED_FORMULA = "245 + 37*log(batchSize + 1) + sum(0.028*computeTokens + 1.3e-6*computeTokens^2)"
 
-# Results are memoised per Formula. Only batches up to this many items are cached: hashing the key
-# costs as much as evaluating for long batches, and long keys would make the cache's memory large.
+# Results are memoised per Formula, at most this many per table. Only batches up to
+# _CACHE_MAX_ITEMS items are memoised: for longer ones hashing the key costs about as much as
+# evaluating, and long keys would make the table's memory large.
 _RESULT_CACHE_SIZE = 65536
 _CACHE_MAX_ITEMS = 16
 
@@ -82,20 +83,22 @@ _CACHE_MAX_ITEMS = 16
 _MAX_NESTING = 100
 _MAX_DEPTH = 200
 
-# A power with a small positive integer literal exponent compiles to Python's ``**`` (exact on the
-# integer token counts, no call overhead); anything else goes through _pow's domain checks.
-_MAX_INLINE_EXPONENT = 64
+# ``x^2``-style powers (a small positive integer literal exponent, and no power inside the base)
+# compile to Python's ``**``: exact on integer token counts and no call overhead. Anything else goes
+# through _pow, which works in floats, so nested powers such as ``((x^9)^9)^9`` overflow promptly
+# instead of building integers with millions of digits.
+_MAX_INLINE_EXPONENT = 4
 
 
 class BatchItem(NamedTuple):
-    """One request in a prefill batch."""
+    """Just the two counts the cost model reads, so a batch is a cheap, hashable memo key."""
 
     input_tokens: int
     hit_tokens: int
 
 
 class FormulaError(ValueError):
-    """The formula text is invalid; ``position`` is a 0-based offset into the source."""
+    """A ValueError carrying the 0-based offset, so config tooling can point at the bad character."""
 
     position: int
     reason: str
@@ -111,7 +114,7 @@ class FormulaError(ValueError):
 
 
 class FormulaEvalError(ArithmeticError):
-    """A valid formula has no finite value for these inputs."""
+    """Raised instead of returning nan/inf, so a formula that breaks on some input fails loudly there."""
 
     reason: str
     source: str | None
@@ -280,7 +283,7 @@ _Node = _Num | _Var | _Neg | _Bin | _Call | _Sum
 
 
 class _Parser:
-    """Precedence climbing by hand: expr := term (+|- term)*; term := unary (*|/ unary)*;
+    """Recursive descent, one method per level: expr := term (+|- term)*; term := unary (*|/ unary)*;
     unary := (-|+) unary | power; power := primary [^ unary]; primary := number | name | call | (expr).
     Putting ``unary`` (not ``power``) right of ``^`` gives right associativity and ``2^-1``."""
 
@@ -526,6 +529,18 @@ _HELPERS: dict[str, Callable[..., float]] = {
     "max": _max,
     "min": _min,
 }
+# Everything generated code can name, by the name it uses.
+_RUNTIME: dict[str, Callable[..., float]] = {
+    "_div": _div,
+    **{f"_{name}": fn for name, fn in _HELPERS.items()},
+}
+_BINOPS: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.Pow: operator.pow,
+}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,6 +579,9 @@ class _CodeGen:
         self.sums: list[ast.expr] = []
 
     def expr(self, node: _Node, in_sum: bool) -> ast.expr:
+        return _fold(self._expr(node, in_sum))
+
+    def _expr(self, node: _Node, in_sum: bool) -> ast.expr:
         match node:
             case _Num(value=value):
                 return ast.Constant(value)
@@ -614,6 +632,9 @@ class _CodeGen:
                 isinstance(right, _Num)
                 and isinstance(right.value, int)
                 and 1 <= right.value <= _MAX_INLINE_EXPONENT
+                and not any(
+                    isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.Pow) for sub in ast.walk(lhs)
+                )
             ):
                 return ast.BinOp(lhs, ast.Pow(), rhs)
             return _call("_pow", [lhs, rhs])
@@ -680,6 +701,29 @@ class _CodeGen:
         return _function("def _predict(items):\n    pass", body)
 
 
+def _fold(node: ast.expr) -> ast.expr:
+    """Precompute operations on constants, chiefly ``log(batchSize + 1)`` in the one-item function.
+
+    Folding runs the very operations the generated code would, so results are unchanged; anything
+    that fails or is not finite is left in place to raise at evaluation time, where it belongs.
+    """
+    try:
+        match node:
+            case ast.BinOp(left=ast.Constant(value=a), op=op, right=ast.Constant(value=b)):
+                value = _BINOPS[type(op)](a, b)
+            case ast.UnaryOp(op=ast.USub(), operand=ast.Constant(value=a)):
+                value = -a
+            case ast.Call(func=ast.Name(id=name), args=args) if all(
+                isinstance(a, ast.Constant) for a in args
+            ):
+                value = _RUNTIME[name](*(arg.value for arg in args if isinstance(arg, ast.Constant)))
+            case _:
+                return node
+    except (FormulaEvalError, ArithmeticError):
+        return node
+    return ast.Constant(value) if _finite(value) else node
+
+
 def _call(helper: str, args: list[ast.expr]) -> ast.Call:
     return ast.Call(ast.Name(f"_{helper.lstrip('_')}", ast.Load()), args, [])
 
@@ -703,8 +747,7 @@ def _generate(tree: _Node, source: str) -> tuple[_BatchFn, _OneFn]:
         [_CodeGen(one_item=False).batch_function(tree), _CodeGen(one_item=True).one_item_function(tree)], []
     )
     code = compile(ast.fix_missing_locations(module), f"<formula {source[:60]!r}>", "exec")
-    namespace: dict[str, object] = {"__builtins__": {}, "len": len, "_div": _div}
-    namespace.update({f"_{name}": helper for name, helper in _HELPERS.items()})
+    namespace: dict[str, object] = {"__builtins__": {}, "len": len, **_RUNTIME}
     exec(code, namespace)
     return namespace["_predict"], namespace["_predict_one"]  # type: ignore[return-value]
 
@@ -716,7 +759,7 @@ def _generate(tree: _Node, source: str) -> tuple[_BatchFn, _OneFn]:
 class Formula:
     """A compiled formula; prefer compile_formula(), which shares one instance per source text."""
 
-    __slots__ = ("_batch_cached", "_one_cached", "_predict", "_predict_one", "source", "uses_sum")
+    __slots__ = ("_batch_memo", "_one_memo", "_predict", "_predict_one", "source", "uses_sum")
 
     source: str
     uses_sum: bool
@@ -729,29 +772,47 @@ class Formula:
         self.source = source
         self.uses_sum = parser.uses_sum
         self._predict, self._predict_one = _generate(tree, source)
-        self._batch_cached = functools.lru_cache(maxsize=_RESULT_CACHE_SIZE)(self._evaluate)
-        self._one_cached = functools.lru_cache(maxsize=_RESULT_CACHE_SIZE)(self._evaluate_one)
+        # Memo tables keyed by value. A dict emptied when full rather than functools.lru_cache: hits
+        # cost the same, and misses (common when every request has a new length) cost far less
+        # without the LRU bookkeeping. Entries refill within a few calls after a clear.
+        self._one_memo: dict[tuple[int, int], float] = {}
+        self._batch_memo: dict[tuple[tuple[int, int], ...], float] = {}
 
     def predict_batch(self, items: Sequence[BatchItem]) -> float:
         """Milliseconds to prefill ``items`` as one batch; an empty batch costs nothing."""
         count = len(items)
         if count == 1:
             input_tokens, hit_tokens = items[0]
-            return self._one_cached(input_tokens, hit_tokens)
+            return self.predict_one(input_tokens, hit_tokens)
         if count == 0:
             return 0.0
         if count > _CACHE_MAX_ITEMS:
             return self._evaluate(items)
         key = items if type(items) is tuple else tuple(items)
+        memo = self._batch_memo
         try:
-            return self._batch_cached(key)
+            result = memo.get(key)
         except TypeError:
-            # Unhashable items (lists rather than tuples) still get an answer, just uncached.
-            return self._evaluate(key)
+            # Unhashable items (lists rather than tuples) still get an answer, just not memoised.
+            return self._evaluate(items)
+        if result is None:
+            result = self._evaluate(key)
+            if len(memo) >= _RESULT_CACHE_SIZE:
+                memo.clear()
+            memo[key] = result
+        return result
 
     def predict_one(self, input_tokens: int, hit_tokens: int) -> float:
         """Milliseconds to prefill one request alone; equal to a one-item predict_batch."""
-        return self._one_cached(input_tokens, hit_tokens)
+        key = (input_tokens, hit_tokens)
+        memo = self._one_memo
+        result = memo.get(key)
+        if result is None:
+            result = self._evaluate_one(input_tokens, hit_tokens)
+            if len(memo) >= _RESULT_CACHE_SIZE:
+                memo.clear()
+            memo[key] = result
+        return result
 
     def _evaluate(self, items: Sequence[tuple[int, int]]) -> float:
         try:
