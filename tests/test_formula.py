@@ -216,7 +216,9 @@ def test_one_item_code_matches_batch_code(src: str) -> None:
 def test_per_request_value_by_hand() -> None:
     compute = 1000 - 400
     default = compile_formula(DEFAULT_PREFILL_FORMULA)
-    assert default.predict_one(1000, 400) == pytest.approx(7 + 0.0295 * compute + 4.82e-7 * compute * (compute + 800))
+    assert default.predict_one(1000, 400) == pytest.approx(
+        7 + 0.0295 * compute + 4.82e-7 * compute * (compute + 800)
+    )
     upstream = compile_formula(UPSTREAM_FITTED_FORMULA)
     assert upstream.predict_one(1000, 400) == pytest.approx(
         245 + 37 * math.log(2) + 0.028 * compute + 1.3e-6 * compute**2

@@ -66,7 +66,9 @@ __all__ = [
 
 # The `llama3.1-8b-h100` roofline of docs/engine-model.md in formula form (within ~1 % of it):
 # 7 ms per batch, 29.5 us per computed token, and causal attention over the cached prefix.
-DEFAULT_PREFILL_FORMULA = "7 + sum(0.0295*computeTokens + 0.000000482*computeTokens*(computeTokens + 2*hitCacheTokens))"
+DEFAULT_PREFILL_FORMULA = (
+    "7 + sum(0.0295*computeTokens + 0.000000482*computeTokens*(computeTokens + 2*hitCacheTokens))"
+)
 
 # The shape upstream fitted to measured batches: a fixed launch cost, a slowly growing per-batch
 # overhead, and per-request linear plus attention-square terms.
