@@ -1,0 +1,125 @@
+"""The `flexlb` command: worker, gateway, local stack, bench and simulator entry points."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="FlexLB: KV-cache-aware LLM gateway")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        d = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for k in ("request_id", "trace_id", "worker", "batch_id", "event"):
+            v = getattr(record, k, None)
+            if v is not None:
+                d[k] = v
+        if record.exc_info:
+            d["exc"] = self.formatException(record.exc_info)
+        return json.dumps(d)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    h = logging.StreamHandler()
+    h.setFormatter(_JsonFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(level.upper())
+
+
+@app.callback()
+def _root() -> None:
+    """FlexLB: KV-cache-aware gateway for disaggregated prefill/decode LLM serving."""
+
+
+@app.command()
+def worker(
+    role: Annotated[str, typer.Option(help="prefill or decode")],
+    grpc_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    http_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    metrics_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    host: Annotated[str, typer.Option(help="address advertised to the gateway")] = "127.0.0.1",
+    bind: Annotated[str, typer.Option(help="address Triton listens on")] = "127.0.0.1",
+    engine: Annotated[str, typer.Option(help="engine implementation")] = "sim",
+    profile: Annotated[str, typer.Option(help="llama3.1-8b-h100 or formula")] = "llama3.1-8b-h100",
+    formula: Annotated[str | None, typer.Option(help="prefill time formula (profile=formula)")] = None,
+    time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="KV block size in tokens")] = 64,
+    kv_capacity_tokens: Annotated[int | None, typer.Option(help="override the profile's KV capacity")] = None,
+    seed: Annotated[int, typer.Option(help="output token seed")] = 0,
+    chunk_interval_ms: Annotated[
+        float, typer.Option(help="decode chunk coalescing interval (wall ms)")
+    ] = 20.0,
+    kv_handle_ttl_ms: Annotated[
+        float, typer.Option(help="modelled ms a prefilled KV waits for decode")
+    ] = 30000.0,
+    fault_error_rate: Annotated[float, typer.Option(help="fault: per-request error probability")] = 0.0,
+    fault_extra_latency_ms: Annotated[float, typer.Option(help="fault: extra modelled ms per batch")] = 0.0,
+    fault_hang: Annotated[bool, typer.Option(help="fault: stop making progress and answering")] = False,
+    fault_exit_after_batches: Annotated[int, typer.Option(help="fault: crash after N batches")] = 0,
+    log_level: str = "INFO",
+) -> None:
+    """Start one simulated GPU worker inside a real Triton server."""
+    setup_logging(log_level)
+    if engine != "sim":
+        raise typer.BadParameter("only the 'sim' engine exists", param_hint="--engine")
+    if role not in ("prefill", "decode"):
+        raise typer.BadParameter("prefill or decode", param_hint="--role")
+    from workers.engine.faults import Faults
+    from workers.server.main import run_worker
+    from workers.server.service import WorkerConfig
+
+    cfg = WorkerConfig(
+        role=role,
+        host=host,
+        grpc_port=grpc_port,
+        profile=profile,
+        formula=formula,
+        time_scale=time_scale,
+        block_size=block_size,
+        kv_capacity_tokens=kv_capacity_tokens,
+        seed=seed,
+        chunk_interval_ms=chunk_interval_ms,
+        kv_handle_ttl_ms=kv_handle_ttl_ms,
+        faults=Faults.from_dict(
+            {
+                "error_rate": fault_error_rate,
+                "extra_latency_ms": fault_extra_latency_ms,
+                "hang": fault_hang,
+                "exit_after_batches": fault_exit_after_batches,
+            }
+        ),
+    )
+    raise typer.Exit(run_worker(cfg, http_port=http_port, metrics_port=metrics_port, bind_address=bind))
+
+
+@app.command()
+def up(
+    profile: Annotated[str, typer.Option(help="engine profile of the workers")] = "llama3.1-8b-h100",
+    time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
+    log_dir: Annotated[str, typer.Option(help="folder for every process's log")] = "logs",
+) -> None:
+    """Run the local stack in the foreground (Ctrl-C stops everything)."""
+    from pathlib import Path
+
+    from app.stack import run_stack
+
+    args = ["--profile", profile, "--time-scale", str(time_scale)]
+    raise typer.Exit(run_stack(args, Path(log_dir)))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

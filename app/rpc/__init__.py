@@ -1,0 +1,1 @@
+"""gRPC clients for the Triton-hosted workers."""

@@ -1,0 +1,212 @@
+"""Async client for one worker's models over Triton's KServe v2 gRPC streaming API.
+
+One long-lived channel per worker per process. Every model is decoupled, so every call is a
+stream; closing a stream does not cancel it on the server (neither tritonclient nor PyTriton
+checks), so an abandoned call is cancelled explicitly here, and engine work is cancelled with
+`control.cancel` by the caller who owns it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from tritonclient.utils import InferenceServerException
+
+from app.protocol import worker_api as W
+
+
+class WorkerUnavailable(ConnectionError):
+    """The worker did not answer (connection refused, deadline, stream broken)."""
+
+
+@dataclass
+class PrefillEvent:
+    event: str  # accepted | results | final | error
+    batch_id: str
+    epoch: str
+    queue_position: int = 0
+    results: list[dict[str, Any]] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class DecodeEvent:
+    event: str  # tokens | finish
+    tokens: list[int] = field(default_factory=list)
+    first_index: int = 0
+    t_first_ms: float = 0.0
+    t_last_ms: float = 0.0
+    finish_reason: str = ""
+    generated: int = 0
+    error: str = ""
+
+
+def _inp(name: str, arr: np.ndarray, dtype: str) -> grpcclient.InferInput:
+    i = grpcclient.InferInput(name, list(arr.shape), dtype)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def _b(values: Sequence[str]) -> np.ndarray:
+    return np.array([v.encode() for v in values], dtype=np.object_)
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class WorkerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._client = aioclient.InferenceServerClient(address)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def _stream(
+        self, model: str, inputs: list[grpcclient.InferInput], timeout: float | None, request_id: str = ""
+    ) -> AsyncIterator[Any]:
+        async def it() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
+
+        responses = self._client.stream_infer(it(), stream_timeout=timeout)
+        finished = False
+        try:
+            async for result, error in responses:
+                if error is not None:
+                    raise WorkerUnavailable(f"{self.address} {model}: {_short(error)}")
+                yield result
+            finished = True
+        except (InferenceServerException, grpc.aio.AioRpcError) as exc:
+            raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}") from exc
+        finally:
+            if not finished:
+                responses.cancel()
+
+    # ---- control --------------------------------------------------------------------------
+    async def control(self, body: dict[str, Any], timeout: float | None = 5.0) -> dict[str, Any]:
+        arr = np.array([json.dumps(body).encode()], dtype=np.object_)
+        async for result in self._stream(W.CONTROL_MODEL, [_inp(W.C_REQUEST, arr, "BYTES")], timeout):
+            return json.loads(result.as_numpy(W.C_RESPONSE)[0])
+        raise WorkerUnavailable(f"{self.address}: control stream ended without a response")
+
+    async def status(self, since_seq: int = 0, timeout: float | None = 5.0) -> dict[str, Any]:
+        return await self.control({"op": "status", "since_seq": since_seq}, timeout)
+
+    async def cache(
+        self, since_version: int | None, epoch: str, timeout: float | None = 5.0
+    ) -> dict[str, Any]:
+        return await self.control({"op": "cache", "since_version": since_version, "epoch": epoch}, timeout)
+
+    async def cancel(self, some_id: str, timeout: float | None = 5.0) -> dict[str, Any]:
+        return await self.control({"op": "cancel", "id": some_id}, timeout)
+
+    async def configure(self, timeout: float | None = 10.0, **options: Any) -> dict[str, Any]:
+        return await self.control({"op": "configure", **options}, timeout)
+
+    async def reset(self, timeout: float | None = 10.0) -> dict[str, Any]:
+        return await self.control({"op": "reset"}, timeout)
+
+    # ---- prefill --------------------------------------------------------------------------
+    async def prefill(
+        self,
+        batch_id: str,
+        epoch: str,
+        requests: Sequence[tuple[str, np.ndarray]],
+        timeout: float | None = None,
+    ) -> AsyncIterator[PrefillEvent]:
+        """Stream one batch: `accepted`, then `results` events, then `final` (or `error`).
+
+        An empty batch is refused here: Triton cannot carry zero-length tensors reliably (the
+        call never answers), so it must not reach the wire."""
+        if not requests:
+            raise ValueError("empty batch")
+        lens = np.array([len(t) for _, t in requests], dtype=np.int32)
+        ids = (
+            np.concatenate([np.asarray(t, dtype=np.int32) for _, t in requests])
+            if requests
+            else np.zeros(0, dtype=np.int32)
+        )
+        inputs = [
+            _inp(W.P_BATCH_ID, _b([batch_id]), "BYTES"),
+            _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
+            _inp(W.P_REQUEST_IDS, _b([r for r, _ in requests]), "BYTES"),
+            _inp(W.P_INPUT_IDS, ids, "INT32"),
+            _inp(W.P_INPUT_LENGTHS, lens, "INT32"),
+        ]
+        async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
+            yield _prefill_event(r)
+
+    # ---- decode ---------------------------------------------------------------------------
+    async def decode(
+        self,
+        request_id: str,
+        epoch: str,
+        input_tokens: int,
+        max_new_tokens: int,
+        *,
+        kv_worker: str = "",
+        kv_epoch: str = "",
+        first_index: int = 1,
+        timeout: float | None = None,
+    ) -> AsyncIterator[DecodeEvent]:
+        inputs = [
+            _inp(W.D_REQUEST_ID, _b([request_id]), "BYTES"),
+            _inp(W.D_EPOCH, _b([epoch]), "BYTES"),
+            _inp(W.D_INPUT_TOKENS, np.array([input_tokens], dtype=np.int32), "INT32"),
+            _inp(W.D_MAX_NEW_TOKENS, np.array([max_new_tokens], dtype=np.int32), "INT32"),
+            _inp(W.D_FIRST_INDEX, np.array([first_index], dtype=np.int32), "INT32"),
+            _inp(W.D_KV_WORKER, _b([kv_worker]), "BYTES"),
+            _inp(W.D_KV_EPOCH, _b([kv_epoch]), "BYTES"),
+        ]
+        async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
+            yield DecodeEvent(
+                event=_s(r.as_numpy(W.D_EVENT)[0]),
+                tokens=r.as_numpy(W.D_TOKENS).tolist(),
+                first_index=int(r.as_numpy(W.D_FIRST_INDEX)[0]),
+                t_first_ms=float(r.as_numpy(W.D_T_FIRST_MS)[0]),
+                t_last_ms=float(r.as_numpy(W.D_T_LAST_MS)[0]),
+                finish_reason=_s(r.as_numpy(W.D_FINISH_REASON)[0]),
+                generated=int(r.as_numpy(W.D_GENERATED)[0]),
+                error=_s(r.as_numpy(W.D_ERROR)[0]),
+            )
+
+
+def _prefill_event(r: Any) -> PrefillEvent:
+    ev = _s(r.as_numpy(W.P_EVENT)[0])
+    out = PrefillEvent(
+        event=ev,
+        batch_id=_s(r.as_numpy(W.P_BATCH_ID)[0]),
+        epoch=_s(r.as_numpy(W.P_EPOCH)[0]),
+        queue_position=int(r.as_numpy(W.P_QUEUE_POSITION)[0]),
+    )
+    if ev == "error":
+        errs = r.as_numpy(W.P_ERROR)
+        out.error = _s(errs[0]) if errs is not None and len(errs) else "error"
+    elif ev == "results":
+        cols = {
+            "request_id": [_s(x) for x in r.as_numpy(W.P_REQUEST_IDS)],
+            "status": [_s(x) for x in r.as_numpy(W.P_STATUS)],
+            "first_token": r.as_numpy(W.P_FIRST_TOKEN).tolist(),
+            "cached_tokens": r.as_numpy(W.P_CACHED_TOKENS).tolist(),
+            "input_tokens": r.as_numpy(W.P_INPUT_TOKENS).tolist(),
+            "start_ms": r.as_numpy(W.P_START_MS).tolist(),
+            "end_ms": r.as_numpy(W.P_END_MS).tolist(),
+            "kv_expiry_ms": r.as_numpy(W.P_KV_EXPIRY_MS).tolist(),
+            "seq": r.as_numpy(W.P_SEQ).tolist(),
+            "error": [_s(x) for x in r.as_numpy(W.P_ERROR)],
+        }
+        out.results = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
+    return out
+
+
+def _short(exc: Any) -> str:
+    msg = exc.message() if hasattr(exc, "message") else str(exc)
+    return str(msg)[-1500:]

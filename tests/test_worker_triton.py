@@ -1,0 +1,328 @@
+"""The workers through real Triton over real gRPC: one session pool, reconfigured per test.
+
+Timing assertions use the engines' modelled timestamps; wall-clock bounds stay loose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.protocol.codes import EngineStatus
+from app.rpc.worker_client import DecodeEvent, PrefillEvent, WorkerClient
+from workers.engine.tokens import output_tokens
+
+from .conftest import start_worker
+
+
+def prompt(seed: int, n: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(32, 127, size=n, dtype=np.int32)
+
+
+async def collect_prefill(c: WorkerClient, batch_id: str, epoch: str, reqs) -> list[PrefillEvent]:
+    return [ev async for ev in c.prefill(batch_id, epoch, reqs, timeout=30)]
+
+
+async def collect_decode(
+    c: WorkerClient, rid: str, epoch: str, n_in: int, n_new: int, **kw
+) -> list[DecodeEvent]:
+    return [ev async for ev in c.decode(rid, epoch, n_in, n_new, timeout=60, **kw)]
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:10]
+
+
+async def test_batch_accepted_then_results_match_formula(clients) -> None:
+    c = clients["prefill"][0]
+    await c.configure(formula="20 + sum(0.01*computeTokens) + 5*batchSize")
+    epoch = (await c.status())["epoch"]
+    reqs = [(f"r{i}-{uid()}", prompt(i, 500 + 100 * i)) for i in range(5)]
+    evs = await collect_prefill(c, "b-" + uid(), epoch, reqs)
+    assert evs[0].event == "accepted" and evs[-1].event == "final"
+    results = [r for ev in evs if ev.event == "results" for r in ev.results]
+    assert [r["request_id"] for r in results] == [r for r, _ in reqs]
+    expected = 20 + sum(0.01 * len(t) for _, t in reqs) + 5 * 5
+    for r in results:
+        assert r["status"] == "ok"
+        assert r["end_ms"] - r["start_ms"] == pytest.approx(expected)
+        assert 32 <= r["first_token"] <= 126
+    # one results event per completion instant: all at once here
+    assert sum(1 for ev in evs if ev.event == "results") == 1
+
+
+async def test_cache_hits_reported_and_cache_diff(clients) -> None:
+    c = clients["prefill"][0]
+    await c.configure(formula="10 + sum(0.01*computeTokens)")
+    st = await c.status()
+    epoch = st["epoch"]
+    base = (await c.cache(None, epoch))["version"]
+    shared = prompt(7, 64 * 8)
+    await collect_prefill(c, "b-" + uid(), epoch, [("a-" + uid(), shared)])
+    diff = await c.cache(base, epoch)
+    assert not diff["full"] and len(diff["added"]) == 8 and diff["version"] > base
+    evs = await collect_prefill(
+        c, "b-" + uid(), epoch, [("b-" + uid(), np.concatenate([shared, prompt(8, 100)]))]
+    )
+    r = next(r for ev in evs for r in ev.results)
+    assert r["cached_tokens"] == 512
+    assert r["end_ms"] - r["start_ms"] == pytest.approx(10 + 0.01 * 100)
+    # an unknown epoch (e.g. a poller from before a restart) gets a full snapshot
+    full = await c.cache(diff["version"], "someone-else")
+    assert full["full"] and len(full["added"]) >= 9
+
+
+async def test_decode_streams_exact_tokens_in_chunks(clients) -> None:
+    d = clients["decode"][0]
+    await d.configure(profile="formula", formula="1", time_scale=0.2)
+    epoch = (await d.status())["epoch"]
+    rid = "d-" + uid()
+    evs = await collect_decode(d, rid, epoch, 200, 100)
+    toks = [t for ev in evs if ev.event == "tokens" for t in ev.tokens]
+    assert toks == output_tokens(0, rid, 1, 100)
+    fin = evs[-1]
+    assert fin.event == "finish" and fin.finish_reason == "length" and fin.generated == 100
+    chunks = [ev for ev in evs if ev.event == "tokens"]
+    assert 1 < len(chunks) < 100  # coalesced, not one event per token
+    # modelled times: step = 8 + 0.05*1 ms (FormulaProfile defaults); fetch 200 tok * 128 KiB / 50 GB/s
+    fetch = 200 * 131072 / 50e9 * 1000
+    assert chunks[0].t_first_ms == pytest.approx(chunks[0].t_first_ms)
+    assert fin.t_last_ms - chunks[0].t_first_ms == pytest.approx(99 * 8.05, rel=1e-6)
+    assert fetch > 0
+
+
+async def test_many_finished_records_paged_without_gap_or_duplicate(clients) -> None:
+    c = clients["prefill"][1]
+    await c.configure(formula="0", kv_handle_ttl_ms=1.0)
+    epoch = (await c.status())["epoch"]
+    start_seq = (await c.status())["seq"]
+    n_batches, per = 50, 40  # 2,000 requests
+
+    async def one(i: int) -> None:
+        reqs = [(f"p{i}-{j}-{uid()}", prompt(i * 100 + j, 65)) for j in range(per)]
+        await collect_prefill(c, f"b{i}-{uid()}", epoch, reqs)
+
+    for k in range(0, n_batches, 10):
+        await asyncio.gather(*(one(i) for i in range(k, k + 10)))
+    seqs: list[int] = []
+    since = start_seq
+    for _ in range(20):
+        st = await c.status(since)
+        assert not st["resync"]
+        seqs.extend(r["seq"] for r in st["finished"])
+        since = st["finished"][-1]["seq"] if st["finished"] else since
+        if not st["more"]:
+            break
+    assert seqs == list(range(start_seq + 1, start_seq + 1 + n_batches * per))
+    st = await c.status(0)  # too old: history window is 4096 → after 2,000 more it may still hold; force:
+    assert st["seq"] >= 2000
+
+
+async def test_too_old_since_seq_answers_resync(clients) -> None:
+    c = clients["prefill"][1]
+    await c.configure(formula="0", kv_handle_ttl_ms=1.0)
+    epoch = (await c.status())["epoch"]
+    # push the retained window (4096 records) past seq 1
+    reqs_per, batches = 128, 34
+    for k in range(batches):
+        await collect_prefill(
+            c, f"w{k}-{uid()}", epoch, [(f"w{k}-{j}-{uid()}", prompt(j, 8)) for j in range(reqs_per)]
+        )
+    st = await c.status(0)
+    assert st["resync"] is True
+    assert st["finished"][0]["seq"] > 1
+
+
+async def test_epoch_mismatch_refused_and_nothing_runs(clients) -> None:
+    c = clients["prefill"][0]
+    before = (await c.status())["seq"]
+    evs = await collect_prefill(c, "b-" + uid(), "not-the-epoch", [("x-" + uid(), prompt(1, 100))])
+    assert [e.event for e in evs] == ["error"] and evs[0].error.startswith("epoch_mismatch")
+    assert (await c.status())["seq"] == before
+    d = clients["decode"][0]
+    evs2 = await collect_decode(d, "y-" + uid(), "nope", 10, 10)
+    assert evs2[-1].finish_reason == EngineStatus.EPOCH_MISMATCH
+    rel = await c.control({"op": "release", "request_id": "x", "epoch": "nope"})
+    assert rel["status"] == "epoch_mismatch"
+
+
+async def test_cancel_before_arrival_while_queued_and_running(clients) -> None:
+    c = clients["prefill"][0]
+    await c.configure(formula="300")  # modelled 300 ms per batch
+    epoch = (await c.status())["epoch"]
+    # before arrival
+    late = "late-" + uid()
+    assert (await c.cancel(late))["result"] == "tombstoned"
+    evs = await collect_prefill(c, "b-" + uid(), epoch, [(late, prompt(1, 64))])
+    assert [r["status"] for ev in evs for r in ev.results] == ["cancelled"]
+    # running and queued
+    run_id, q_id = "run-" + uid(), "q-" + uid()
+    t1 = asyncio.create_task(collect_prefill(c, "b1-" + uid(), epoch, [(run_id, prompt(2, 64))]))
+    await asyncio.sleep(0.05)
+    t2 = asyncio.create_task(collect_prefill(c, "b2-" + uid(), epoch, [(q_id, prompt(3, 64))]))
+    for _ in range(100):
+        live = (await c.status())["live"]
+        if len(live) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert [b["phase"] for b in live] == ["running", "queued"]
+    assert (await c.cancel(q_id))["result"] == "cancelled"
+    assert (await c.cancel(run_id))["result"] == "cancelled"
+    ev1, ev2 = await asyncio.wait_for(asyncio.gather(t1, t2), 10)
+    assert [r["status"] for ev in ev1 for r in ev.results] == ["cancelled"]
+    assert [r["status"] for ev in ev2 for r in ev.results] == ["cancelled"]
+    assert (await c.status())["live"] == []
+
+
+async def test_cancel_decode_stream(clients) -> None:
+    d = clients["decode"][0]
+    await d.configure(profile="formula", formula="1", time_scale=1.0)
+    epoch = (await d.status())["epoch"]
+    rid = "dc-" + uid()
+    got: list[DecodeEvent] = []
+
+    async def consume() -> None:
+        async for ev in d.decode(rid, epoch, 100, 10_000, timeout=60):
+            got.append(ev)
+
+    task = asyncio.create_task(consume())
+    for _ in range(200):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    assert (await d.cancel(rid))["result"] == "cancelled"
+    await asyncio.wait_for(task, 10)
+    assert got[-1].finish_reason == "cancelled"
+    assert sum(len(e.tokens) for e in got) < 10_000
+    assert (await d.status())["running"] == 0
+
+
+async def test_kv_release_by_decode_and_expiry(clients) -> None:
+    p, d = clients["prefill"][0], clients["decode"][0]
+    await p.configure(formula="5", kv_handle_ttl_ms=60_000)
+    await d.configure(profile="formula", formula="1", time_scale=0.1)
+    pe, de = (await p.status())["epoch"], (await d.status())["epoch"]
+    rid = "kv-" + uid()
+    await collect_prefill(p, "b-" + uid(), pe, [(rid, prompt(1, 300))])
+    assert rid in (await p.status())["pinned"]
+    evs = await collect_decode(d, rid, de, 300, 5, kv_worker=p.address, kv_epoch=pe)
+    assert evs[-1].finish_reason == "length"
+    st = await p.status()
+    assert rid not in st["pinned"] and st["kv_pinned_tokens"] == 0
+    # expiry: a short TTL lapses before decode asks → kv_expired
+    await p.configure(kv_handle_ttl_ms=20)
+    rid2 = "kv2-" + uid()
+    await collect_prefill(p, "b-" + uid(), pe, [(rid2, prompt(2, 300))])
+    for _ in range(100):
+        if rid2 not in (await p.status())["pinned"]:
+            break
+        await asyncio.sleep(0.01)
+    evs = await collect_decode(d, rid2, de, 300, 5, kv_worker=p.address, kv_epoch=pe)
+    assert evs[-1].finish_reason == "kv_expired"
+    assert (await p.control({"op": "release", "request_id": rid2, "epoch": pe}))["status"] == "kv_expired"
+
+
+async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
+    p = clients["prefill"][0]
+    await p.configure(formula="1", kv_capacity_tokens=5000)
+    epoch = (await p.status())["epoch"]
+    # empty batch: refused by the client (zero-length tensors never reach the wire)
+    with pytest.raises(ValueError, match="empty batch"):
+        await collect_prefill(p, "b-" + uid(), epoch, [])
+    # lengths that do not add up: the worker answers a typed error event
+    import tritonclient.grpc as grpcclient
+
+    from app.rpc.worker_client import WorkerUnavailable, _b, _inp
+
+    inputs = [
+        _inp("batch_id", _b(["bad-" + uid()]), "BYTES"),
+        _inp("epoch", _b([epoch]), "BYTES"),
+        _inp("request_ids", _b(["a", "b"]), "BYTES"),
+        _inp("input_ids", np.arange(10, dtype=np.int32), "INT32"),
+        _inp("input_lengths", np.array([3, 3], dtype=np.int32), "INT32"),
+    ]
+    evs = [ev async for ev in p._stream("prefill", inputs, timeout=10)]
+    assert len(evs) == 1 and evs[0].as_numpy("event")[0] == b"error"
+    assert b"input_lengths" in evs[0].as_numpy("error")[0]
+    # per-request errors: empty prompt, over capacity, duplicate id
+    dup = "dup-" + uid()
+    evs = await collect_prefill(
+        p,
+        "b-" + uid(),
+        epoch,
+        [
+            ("e-" + uid(), prompt(1, 0)),
+            ("h-" + uid(), prompt(2, 6000)),
+            (dup, prompt(3, 10)),
+            (dup, prompt(3, 10)),
+        ],
+    )
+    statuses = sorted(r["status"] for ev in evs for r in ev.results)
+    assert statuses == ["duplicate", "invalid_request", "ok", "too_long"]
+    # wrong dtype at the gRPC level → Triton refuses; worker keeps serving
+    bad = grpcclient.InferInput("input_ids", [2], "FP32")
+    bad.set_data_from_numpy(np.array([1.0, 2.0], dtype=np.float32))
+    with pytest.raises(WorkerUnavailable, match=r"(?i)data-type|FP32"):
+        async for _ in p._stream("prefill", [*inputs[:3], bad, inputs[4]], timeout=5):
+            raise AssertionError("no response expected")
+    # decode: max_new_tokens <= 0
+    d = clients["decode"][0]
+    de = (await d.status())["epoch"]
+    evs2 = await collect_decode(d, "z-" + uid(), de, 10, 0)
+    assert evs2[-1].finish_reason == "invalid_request"
+    # configure refuses bad values and applies nothing
+    assert "error" in await p.configure(time_scale=-1)
+    assert "error" in await p.configure(formula="1 + foo")
+    assert "error" in await p.configure(faults={"nope": 1})
+    assert "error" in await p.control({"op": "bogus"})
+    ok = await collect_prefill(p, "b-" + uid(), epoch, [("fine-" + uid(), prompt(4, 100))])
+    assert [r["status"] for ev in ok for r in ev.results] == ["ok"]
+
+
+def test_restart_new_epoch_full_snapshot_and_sigterm_cleanup(worker_tmp: Path) -> None:
+    """A restarted worker has a new epoch and answers a full cache snapshot; SIGTERM stops it
+    within 10 s, leaving no process and no PyTriton workspace behind."""
+
+    async def poke(addr: str, old_epoch: str | None) -> tuple[str, dict]:
+        c = WorkerClient(addr)
+        try:
+            st = await c.status()
+            return st["epoch"], await c.cache(5, old_epoch or st["epoch"])
+        finally:
+            await c.close()
+
+    w = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1")
+    port = w.ready["grpc_port"]
+    e1, _ = asyncio.run(poke(w.address, None))
+    before = set(Path("/tmp").glob("flexlb-triton-*"))
+    t0 = time.monotonic()
+    assert w.stop(timeout=20) == 0
+    assert time.monotonic() - t0 < 10
+    assert subprocess.run(["pgrep", "-P", str(w.proc.pid)], capture_output=True).stdout == b""
+    after = set(Path("/tmp").glob("flexlb-triton-*"))
+    assert not (after - before) and len(before - after) >= 1  # its workspace is gone
+    w2 = start_worker(
+        "prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)
+    )
+    try:
+        e2, snap = asyncio.run(poke(w2.address, e1))
+        assert e2 != e1 and snap["full"] is True
+    finally:
+        w2.stop()
+
+
+def test_sigint_also_stops(worker_tmp: Path) -> None:
+    w = start_worker("decode", worker_tmp)
+    w.proc.send_signal(signal.SIGINT)
+    assert w.proc.wait(15) == 0
+    out = json.loads(w.proc.stdout.read().strip().splitlines()[-1])  # type: ignore[union-attr]
+    assert out["event"] == "worker_stopped"
