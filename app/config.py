@@ -1,0 +1,30 @@
+"""Gateway settings: pydantic-settings with the `FLEXLB_` prefix; README has the one table."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLEXLB_", extra="ignore")
+
+    redis_url: str | None = Field(None, description="Redis URL; unset → embedded redis-server")
+    cluster: str = Field("flexlb", description="key prefix shared by every replica of one cluster")
+    replica_id: str | None = Field(None, description="stable replica id; default host-pid-random")
+    host: str = Field("127.0.0.1", description="address the gateway listens on")
+    port: int = Field(8000, description="gateway HTTP port")
+    advertise_address: str | None = Field(None, description="host:port other replicas reach us at")
+    admin_token: str | None = Field(None, description="bearer token for /admin; unset → generated and logged")
+    heartbeat_ms: int = Field(1000, description="membership heartbeat interval")
+    member_ttl_ms: int = Field(3000, description="membership TTL: a replica silent this long is dead")
+    lease_ttl_ms: int = Field(3000, description="master and owner lease TTL")
+    poll_interval_ms: int = Field(200, description="owner's worker status/cache poll interval")
+    poll_deadline_ms: int = Field(500, description="deadline of one poll call")
+    down_after_failures: int = Field(2, description="consecutive failures that mark a worker down")
+    speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
+    lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
+    redis_policy: str = Field("fail_closed", description="behaviour when Redis is unreachable")
+    embedded_redis_idle_s: int = Field(
+        60, description="embedded Redis exits after this idle time"
+    )

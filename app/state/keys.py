@@ -1,0 +1,120 @@
+"""The Redis key layout: every key FlexLB writes, in one place (docs/state.md describes each).
+
+Per-worker keys carry the hash tag `{w:<id>}` and per-replica keys `{r:<id>}`, so every atomic
+operation (a Lua script) touches one slot and the state can move to Redis Cluster unchanged.
+Request lifecycle keys are tagged by request id. Worker ids are `role@host:port`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = "flexlb"
+
+    # ---- cluster-wide --------------------------------------------------------------------
+    @property
+    def cluster_epoch(self) -> str:
+        """Random id written once; missing or changed → Redis came back empty: rebuild."""
+        return f"{self.prefix}:cluster_epoch"
+
+    @property
+    def members(self) -> str:
+        """ZSET replica id → heartbeat expiry (ms since epoch); the master reaps expired ones."""
+        return f"{self.prefix}:members"
+
+    @property
+    def master_lease(self) -> str:
+        """STRING `replica_id|fence`, SET NX PX; renewed by compare-and-extend."""
+        return f"{self.prefix}:lease:master"
+
+    @property
+    def fence_counter(self) -> str:
+        """INCR counter handing out fencing epochs for every lease."""
+        return f"{self.prefix}:lease:fence"
+
+    @property
+    def workers(self) -> str:
+        """SET of registered worker ids."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def registry_events(self) -> str:
+        """Pub/sub channel: worker registry or runtime config changed (payload: what)."""
+        return f"{self.prefix}:events"
+
+    @property
+    def config(self) -> str:
+        """HASH of runtime config (strategies, formula, batcher knobs) + `version`."""
+        return f"{self.prefix}:config"
+
+    # ---- per worker ------------------------------------------------------------------------
+    def w(self, worker_id: str, what: str) -> str:
+        return f"{self.prefix}:{{w:{worker_id}}}:{what}"
+
+    def worker_info(self, wid: str) -> str:
+        """HASH address, role, state (active|draining|removed), added_ms."""
+        return self.w(wid, "info")
+
+    def owner_lease(self, wid: str) -> str:
+        """STRING `replica_id|fence`, PX lease TTL."""
+        return self.w(wid, "owner")
+
+    def snapshot(self, wid: str) -> str:
+        """HASH the owner's latest view: epoch, seq, health, kv, queue, owed ms (only-newer-wins)."""
+        return self.w(wid, "snap")
+
+    def cache_stream(self, wid: str) -> str:
+        """STREAM of cache diffs: fields epoch, version, add, rem (packed uint64 LE), spec."""
+        return self.w(wid, "cache")
+
+    def cache_snapshot(self, wid: str) -> str:
+        """HASH epoch, version, keys (packed uint64 LE), stream_id: a new mirror loads it first."""
+        return self.w(wid, "cache_snap")
+
+    def queue(self, wid: str) -> str:
+        """STREAM prefill hand-off queue; consumer group `owner`; entries acked+deleted when settled."""
+        return self.w(wid, "queue")
+
+    def queued_ms(self, wid: str) -> str:
+        """STRING float: predicted ms of what waits in the queue (incremented by the hand-off script)."""
+        return self.w(wid, "queued_ms")
+
+    def ledger(self, wid: str) -> str:
+        """HASH batch id → JSON {members, predicted_ms, start_ms, epoch, fence}: committed batches."""
+        return self.w(wid, "ledger")
+
+    def tombstones(self, wid: str) -> str:
+        """ZSET request/batch id → expiry ms: cancelled before dispatch; the commit script drops them."""
+        return self.w(wid, "tomb")
+
+    def reservations(self, wid: str) -> str:
+        """HASH request id → reserved decode KV tokens; field `_total` keeps the sum."""
+        return self.w(wid, "resv")
+
+    # ---- per replica -----------------------------------------------------------------------
+    def r(self, replica_id: str, what: str) -> str:
+        return f"{self.prefix}:{{r:{replica_id}}}:{what}"
+
+    def member(self, rid: str) -> str:
+        """HASH address, started_ms, version; PX member TTL (heartbeat renews)."""
+        return self.r(rid, "member")
+
+    def replies(self, rid: str) -> str:
+        """STREAM prefill results for requests this replica originated."""
+        return self.r(rid, "replies")
+
+    def notify(self, rid: str) -> str:
+        """Pub/sub channel: cancels and wake-ups addressed to this replica."""
+        return self.r(rid, "notify")
+
+    def origin_requests(self, rid: str) -> str:
+        """SET of live request ids this replica originated (reaped when it dies)."""
+        return self.r(rid, "live")
+
+    # ---- per request -----------------------------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """HASH lifecycle: state, origin, prefill/decode worker, batch id, outcome JSON; TTL once terminal."""
+        return f"{self.prefix}:{{q:{request_id}}}:req"

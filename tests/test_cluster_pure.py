@@ -1,0 +1,49 @@
+"""Pure cluster pieces: health hysteresis and the cache-index mirror."""
+
+from __future__ import annotations
+
+from app.cache.mirror import CacheMirror
+from app.cluster.health import Health, WorkerHealth
+
+
+def test_health_down_after_two_failures_up_after_poll() -> None:
+    h = WorkerHealth(down_after=2)
+    assert h.poll_ok("e1") is not None and h.state == Health.UP
+    assert h.failure() is None and h.state == Health.UP
+    ch = h.failure()
+    assert ch is not None and ch.after == Health.DOWN and not h.routable
+    assert h.failure() is None  # stays down, no flapping events
+    ch = h.poll_ok("e1")
+    assert ch is not None and ch.after == Health.UP and not ch.epoch_changed
+
+
+def test_health_epoch_change_reported() -> None:
+    h = WorkerHealth()
+    h.poll_ok("e1")
+    ch = h.poll_ok("e2")
+    assert ch is not None and ch.epoch_changed and ch.old_epoch == "e1"
+
+
+def test_mirror_snapshot_diff_and_prefix_match() -> None:
+    m = CacheMirror()
+    m.load_snapshot("w1", "e", 10, [1, 2, 3])
+    m.load_snapshot("w2", "e", 5, [1])
+    assert m.match([1, 2, 3, 4], ["w1", "w2", "w3"], 0) == {"w1": 3, "w2": 1, "w3": 0}
+    assert m.apply_diff("w2", "e", 6, [2, 3, 4], [])
+    assert not m.apply_diff("w2", "e", 6, [9], [])  # not newer
+    assert not m.apply_diff("w2", "other", 7, [9], [])  # other epoch: needs a snapshot
+    assert m.match([1, 2, 3, 4], ["w2"], 0) == {"w2": 4}
+    assert m.apply_diff("w1", "e", 11, [], [2])
+    assert m.match([1, 2, 3], ["w1"], 0) == {"w1": 1}
+    assert m.holders(1, 0) == {"w1", "w2"}
+    m.drop_worker("w2")
+    assert m.holders(4, 0) == set()
+
+
+def test_mirror_speculative_entries_expire() -> None:
+    m = CacheMirror(speculative_ttl_ms=2000)
+    m.add_speculative("w1", [7, 8], now_ms=1000)
+    assert m.match([7, 8, 9], ["w1"], 2000) == {"w1": 2}
+    assert m.match([7, 8], ["w1"], 3000) == {"w1": 0}
+    m.expire(3000)
+    assert m.holders(7, 0) == set()
