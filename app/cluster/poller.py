@@ -1,0 +1,176 @@
+"""The owner's poller for one worker: status + cache on a short deadline, health, snapshot and
+cache-diff publication.
+
+Only the lease holder runs one, so a worker is polled once per cluster, not once per replica.
+Status is read incrementally (`since_seq`), cache as 64-bit versioned diffs, so a poll costs what
+changed, not the worker's whole state (upstream lesson 5).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from app.cluster.health import HealthChange, WorkerHealth
+from app.rpc.worker_client import WorkerClient
+from app.state.keys import Keys
+
+log = logging.getLogger("flexlb.poller")
+
+CACHE_STREAM_MAXLEN = 10_000
+
+
+class SnapshotWriter(Protocol):
+    async def write_snapshot(self, wid: str, epoch: str, seq: int, fields: dict[str, Any]) -> bool: ...
+
+
+def pack_keys(keys: list[int]) -> bytes:
+    return np.asarray(keys, dtype="<u8").tobytes()
+
+
+def unpack_keys(raw: bytes | None) -> list[int]:
+    if not raw:
+        return []
+    return np.frombuffer(raw, dtype="<u8").tolist()
+
+
+class WorkerPoller:
+    def __init__(
+        self,
+        wid: str,
+        client: WorkerClient,
+        redis: aioredis.Redis,
+        keys: Keys,
+        store: SnapshotWriter,
+        *,
+        interval_ms: int = 200,
+        deadline_ms: int = 500,
+        down_after: int = 2,
+        is_valid: Callable[[], bool] = lambda: True,
+        on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
+        on_records: Callable[[str, list[dict[str, Any]], bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.wid = wid
+        self.client = client
+        self.redis = redis
+        self.keys = keys
+        self.store = store
+        self.interval_s = interval_ms / 1000
+        self.deadline_s = deadline_ms / 1000
+        self.health = WorkerHealth(down_after=down_after)
+        self.is_valid = is_valid
+        self.on_health = on_health
+        self.on_records = on_records
+        self.since_seq = 0
+        self.cache_version: int | None = None
+        self.last_status: dict[str, Any] = {}
+        self.polls = 0
+        self.full_every = 50  # refresh the stored snapshot now and then so late mirrors start close
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"poll:{self.wid}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def run(self) -> None:
+        while True:
+            if not self.is_valid():  # lease lapsed: stop acting before anyone else starts
+                return
+            await self.poll_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def poll_once(self) -> None:
+        try:
+            st = await asyncio.wait_for(
+                self.client.status(self.since_seq, timeout=self.deadline_s), self.deadline_s
+            )
+            epoch = st["epoch"]
+            if st.get("resync") or (self.health.epoch and epoch != self.health.epoch):
+                self.since_seq = 0
+            self.polls += 1
+            since = None if self.polls % self.full_every == 0 else self.cache_version
+            cache = await asyncio.wait_for(
+                self.client.cache(since, epoch, timeout=self.deadline_s), self.deadline_s
+            )
+        except Exception as exc:  # timeout, refused, broken stream: all count as one failure
+            await self._changed(self.health.failure())
+            log.debug("poll %s failed: %s", self.wid, exc)
+            if not self.health.routable and self.is_valid():
+                await self.store.write_snapshot(self.wid, self.health.epoch or "", -1, {"health": "down"})
+            return
+        change = self.health.poll_ok(epoch)
+        if change is not None and change.epoch_changed:
+            self.cache_version = None
+        await self._changed(change)
+        if self.on_records is not None and (st.get("finished") or st.get("resync")):
+            await self.on_records(self.wid, st.get("finished", []), bool(st.get("resync")))
+        if st.get("finished"):
+            self.since_seq = st["finished"][-1]["seq"]
+        self.last_status = st
+        if not self.is_valid():
+            return
+        fields = {
+            "health": str(self.health.state),
+            "role": st.get("role", ""),
+            "kv_total_tokens": st.get("kv_total_tokens", 0),
+            "kv_free_tokens": st.get("kv_free_tokens", 0),
+            "kv_evictable_tokens": st.get("kv_evictable_tokens", 0),
+            "kv_pinned_tokens": st.get("kv_pinned_tokens", 0),
+            "queue_len": st.get("queue_len", 0),
+            "queued_predicted_ms": st.get("queued_predicted_ms", 0.0),
+            "time_scale": st.get("time_scale", 1.0),
+            "block_size": st.get("block_size", 64),
+            "now_ms": st.get("now_ms", 0.0),
+            "lag_ms": st.get("lag_ms", 0.0),
+        }
+        await self.store.write_snapshot(self.wid, epoch, int(st.get("seq", 0)), fields)
+        await self._publish_cache(epoch, cache)
+
+    async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:
+        version = int(cache["version"])
+        if not cache["full"] and version == self.cache_version:
+            return
+        async with self.redis.pipeline(transaction=False) as p:
+            if cache["full"]:
+                p.hset(
+                    self.keys.cache_snapshot(self.wid),
+                    mapping={"epoch": epoch, "version": version, "keys": pack_keys(cache["added"])},
+                )
+            p.xadd(
+                self.keys.cache_stream(self.wid),
+                {
+                    "epoch": epoch,
+                    "version": version,
+                    "full": int(bool(cache["full"])),
+                    "add": pack_keys(cache["added"]),
+                    "rem": pack_keys(cache["removed"]),
+                },
+                maxlen=CACHE_STREAM_MAXLEN,
+                approximate=True,
+            )
+            await p.execute()
+        self.cache_version = version
+
+    async def _changed(self, change: HealthChange | None) -> None:
+        if change is None:
+            return
+        log.info(
+            "worker %s health %s -> %s%s",
+            self.wid,
+            change.before,
+            change.after,
+            " (new epoch)" if change.epoch_changed else "",
+        )
+        if self.on_health is not None:
+            await self.on_health(self.wid, change)
