@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 
+from .launcher import TritonHost
 from .models import (
     CONTROL_INPUTS,
     CONTROL_OUTPUTS,
@@ -16,7 +16,6 @@ from .models import (
     PREFILL_OUTPUTS,
 )
 from .service import WorkerConfig, WorkerService
-from .triton_host import TritonHost
 
 log = logging.getLogger("flexlb.worker")
 
@@ -25,16 +24,22 @@ def run_worker(
     cfg: WorkerConfig, *, http_port: int = 0, metrics_port: int = 0, bind_address: str = "127.0.0.1"
 ) -> int:
     t0 = time.monotonic()
-    host = TritonHost(cfg.grpc_port, http_port, metrics_port, bind_address=bind_address)
+    host = TritonHost(
+        grpc_port=cfg.grpc_port, http_port=http_port, metrics_port=metrics_port, address=bind_address
+    )
     cfg.grpc_port = host.grpc_port
-    svc = WorkerService(cfg)
-    stop = host.install_signal_handlers()
+    svc = WorkerService(cfg, stopping=host.stopping)
+    rc = 0
     try:
-        if cfg.role == "prefill":
-            host.bind("prefill", svc.prefill, PREFILL_INPUTS, PREFILL_OUTPUTS)
-        else:
-            host.bind("decode", svc.decode, DECODE_INPUTS, DECODE_OUTPUTS)
-        host.bind("control", svc.control, CONTROL_INPUTS, CONTROL_OUTPUTS)
+        host.install_signal_handlers()
+        engine_model = (
+            ("prefill", svc.prefill, PREFILL_INPUTS, PREFILL_OUTPUTS)
+            if cfg.role == "prefill"
+            else ("decode", svc.decode, DECODE_INPUTS, DECODE_OUTPUTS)
+        )
+        # strict=False: output checks cost CPU on every event, and our encoders are tested.
+        host.bind(*engine_model, decoupled=True, strict=False)
+        host.bind("control", svc.control, CONTROL_INPUTS, CONTROL_OUTPUTS, decoupled=True, strict=False)
         svc.start()
         host.start()
         ready = {
@@ -51,14 +56,13 @@ def run_worker(
             "startup_s": round(time.monotonic() - t0, 3),
         }
         print(json.dumps(ready), flush=True)
-        while not stop.wait(0.5):
-            if not host.is_alive():
-                log.error("triton server died")
-                return 1
-        return 0
+        host.wait()
+        if not host.stopping.is_set():
+            log.error("triton server died")
+            rc = 1
     finally:
         t1 = time.monotonic()
-        svc.stop()
         host.stop()
+        svc.stop()
         print(json.dumps({"event": "worker_stopped", "stop_s": round(time.monotonic() - t1, 3)}), flush=True)
-        sys.stdout.flush()
+    return rc

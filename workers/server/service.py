@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -72,7 +73,7 @@ class ControlError(ValueError):
 
 
 class WorkerService:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    def __init__(self, cfg: WorkerConfig, stopping: threading.Event | None = None) -> None:
         if cfg.role not in ("prefill", "decode"):
             raise ValueError("role must be prefill or decode")
         self.cfg = cfg
@@ -85,6 +86,7 @@ class WorkerService:
             tick_ms=cfg.chunk_interval_ms if cfg.role == "decode" else None,
             on_effects=self._route,
         )
+        self.stopping = stopping or threading.Event()  # set when Triton stops: streams end at once
         self._subs: dict[str, list[Subscriber]] = {}
         self._peer_clients: dict[str, Any] = {}
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
@@ -174,16 +176,29 @@ class WorkerService:
             yield self._p_event("final", batch_id)
             return
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(sub.queue.get(), self.cfg.stream_idle_timeout_s)
-            except TimeoutError:
-                yield self._p_event("error", batch_id, errors=["stream idle timeout"])
+            item = await self._next(sub)
+            if item is None:
+                yield self._p_event("error", batch_id, errors=["worker stopping or stream idle timeout"])
                 return
+            kind, payload = item
             if kind == "results":
                 yield self._p_results(batch_id, payload)
             else:
                 yield self._p_event("final", batch_id)
                 return
+
+    async def _next(self, sub: Subscriber) -> tuple[str, Any] | None:
+        """Next effect for a stream; None when the worker is stopping (PyTriton's stop waits for
+        every generator) or the engine produced nothing for `stream_idle_timeout_s`."""
+        idle = 0.0
+        while not self.stopping.is_set():
+            try:
+                return await asyncio.wait_for(sub.queue.get(), 0.5)
+            except TimeoutError:
+                idle += 0.5
+                if idle >= self.cfg.stream_idle_timeout_s:
+                    return None
+        return None
 
     def _parse_prefill(self, req: Any, batch_id: str) -> list[PrefillRequest]:
         epoch = as_str(get(req, W.P_EPOCH))
@@ -310,11 +325,13 @@ class WorkerService:
         finished = False
         try:
             while True:
-                try:
-                    kind, ev = await asyncio.wait_for(sub.queue.get(), self.cfg.stream_idle_timeout_s)
-                except TimeoutError:
-                    yield self._d_finish(rid, EngineStatus.ENGINE_ERROR, 0, "stream idle timeout")
+                item = await self._next(sub)
+                if item is None:
+                    yield self._d_finish(
+                        rid, EngineStatus.ENGINE_ERROR, 0, "worker stopping or stream idle timeout"
+                    )
                     return
+                kind, ev = item
                 if kind == "tokens":
                     yield {
                         W.D_EVENT: b1("tokens"),

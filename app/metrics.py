@@ -1,0 +1,58 @@
+"""Prometheus metrics of the gateway (DESIGN §9): bounded labels, values pre-registered where the
+set is known, per-worker series removed with their worker."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+REDIS_COMMANDS = Counter(
+    "flexlb_redis_commands_total",
+    "Client-issued Redis commands (an EVALSHA counts as one)",
+    registry=REGISTRY,
+)
+REDIS_LATENCY = Histogram(
+    "flexlb_redis_latency_seconds",
+    "Latency of the replica's Redis health ping",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+    registry=REGISTRY,
+)
+REDIS_UP = Gauge("flexlb_redis_up", "1 while Redis answers, 0 otherwise", registry=REGISTRY)
+LEASE_CHANGES = Counter(
+    "flexlb_lease_changes_total",
+    "Owner and master lease acquisitions and losses",
+    ["kind", "change"],
+    registry=REGISTRY,
+)
+for _kind in ("master", "owner"):
+    for _change in ("acquired", "lost", "released"):
+        LEASE_CHANGES.labels(_kind, _change)
+IS_MASTER = Gauge("flexlb_is_master", "1 on the replica holding the master lease", registry=REGISTRY)
+OWNED_WORKERS = Gauge("flexlb_owned_workers", "Workers this replica owns", registry=REGISTRY)
+LIVE_REPLICAS = Gauge("flexlb_live_replicas", "Live gateway replicas seen by this replica", registry=REGISTRY)
+WORKER_UP = Gauge(
+    "flexlb_worker_up", "1 when the worker is healthy (owner's view)", ["worker"], registry=REGISTRY
+)
+WORKER_KV_FREE = Gauge(
+    "flexlb_worker_kv_free_tokens", "Free KV tokens on the worker", ["worker"], registry=REGISTRY
+)
+WORKER_EPOCH_CHANGES = Counter(
+    "flexlb_worker_epoch_changes_total", "Worker restarts seen (new epoch)", ["worker"], registry=REGISTRY
+)
+REAPED_REPLICAS = Counter(
+    "flexlb_reaped_replicas_total", "Dead replicas reaped by the master", registry=REGISTRY
+)
+CACHE_MIRROR_BLOCKS = Gauge(
+    "flexlb_cache_mirror_blocks", "Block keys in this replica's cache mirror", ["worker"], registry=REGISTRY
+)
+
+
+def remove_worker_series(worker: str) -> None:
+    for g in (WORKER_UP, WORKER_KV_FREE, CACHE_MIRROR_BLOCKS):
+        with contextlib.suppress(KeyError):
+            g.remove(worker)
+    with contextlib.suppress(KeyError):
+        WORKER_EPOCH_CHANGES.remove(worker)
