@@ -103,6 +103,67 @@ def worker(
 
 
 @app.command()
+def gateway(
+    port: Annotated[int | None, typer.Option(help="HTTP port (FLEXLB_PORT, default 8000)")] = None,
+    redis_url: Annotated[
+        str | None, typer.Option(help="Redis URL (FLEXLB_REDIS_URL); unset → embedded")
+    ] = None,
+    workers: Annotated[str | None, typer.Option(help="seed the registry: role@host:port,...")] = None,
+    replica_id: Annotated[str | None, typer.Option(help="stable replica id (FLEXLB_REPLICA_ID)")] = None,
+    host: Annotated[str | None, typer.Option(help="listen address (FLEXLB_HOST)")] = None,
+    log_level: str = "INFO",
+) -> None:
+    """Run one gateway replica."""
+    setup_logging(log_level)
+    import uvicorn
+
+    from app.cluster.registry import BadWorkerSpec, parse_workers
+    from app.config import Settings
+    from app.gateway.app import create_app
+
+    overrides = {
+        k: v
+        for k, v in {"port": port, "redis_url": redis_url, "replica_id": replica_id, "host": host}.items()
+        if v is not None
+    }
+    settings = Settings(**overrides)  # type: ignore[arg-type]
+    try:
+        seed = parse_workers(workers) if workers else []
+    except BadWorkerSpec as exc:
+        raise typer.BadParameter(str(exc), param_hint="--workers") from exc
+    log = logging.getLogger("flexlb.gateway")
+    url = settings.redis_url
+    if not url:
+        from app.state.embedded_redis import start_embedded_redis
+
+        emb = start_embedded_redis(settings.cluster, settings.embedded_redis_idle_s)
+        url = emb.url
+    log.info("redis_url=%s", url)
+    log.info("config %s", json.dumps(_redacted(settings)))
+    app_ = create_app(settings, url, seed)
+    uvicorn.Server(
+        uvicorn.Config(
+            app_,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            lifespan="on",
+            timeout_graceful_shutdown=10,
+        )
+    ).run()
+
+
+def _redacted(settings: object) -> dict[str, object]:
+    d = settings.model_dump()  # type: ignore[attr-defined]
+    for k in ("admin_token",):
+        if d.get(k):
+            d[k] = "***"
+    if d.get("redis_url") and "@" in str(d["redis_url"]):
+        d["redis_url"] = "redis://***@" + str(d["redis_url"]).split("@", 1)[1]
+    return d
+
+
+@app.command()
 def up(
     profile: Annotated[str, typer.Option(help="engine profile of the workers")] = "llama3.1-8b-h100",
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,

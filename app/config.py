@@ -25,6 +25,4 @@ class Settings(BaseSettings):
     speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
     lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
     redis_policy: str = Field("fail_closed", description="behaviour when Redis is unreachable")
-    embedded_redis_idle_s: int = Field(
-        60, description="embedded Redis exits after this idle time"
-    )
+    embedded_redis_idle_s: int = Field(60, description="embedded Redis exits after this idle time")

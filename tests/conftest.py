@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,11 @@ class WorkerProc:
     ready: dict
     log_path: Path
 
+    def kill_hard(self) -> None:
+        """SIGKILL the worker and its Triton server together, like a crashed container."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(5)
+
     def stop(self, timeout: float = 15.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -42,12 +48,15 @@ class WorkerProc:
         return self.proc.returncode
 
 
-def start_worker(role: str, tmp: Path, *args: str, timeout: float = 60.0) -> WorkerProc:
+def start_worker(role: str, tmp: Path, *args: str, timeout: float = 90.0) -> WorkerProc:
     """Start `flexlb worker` and wait (bounded) for its ready line."""
     log_path = tmp / f"{role}-{time.monotonic_ns()}.log"
     out = open(log_path, "w+")  # noqa: SIM115 - lives as long as the process
     cmd = [sys.executable, "-m", "app.cli", "worker", "--role", role, "--log-level", "WARNING", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True)
+    # Own session: a hard kill can take the whole process group (worker + tritonserver + stubs).
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True
+    )
     deadline = time.monotonic() + timeout
     assert proc.stdout is not None
     while time.monotonic() < deadline:
@@ -79,9 +88,15 @@ def worker_pool(worker_tmp: Path) -> Iterator[dict[str, list[WorkerProc]]]:
 
     roles = ["prefill", "prefill", "decode"]
     with ThreadPoolExecutor(len(roles)) as ex:
-        procs = list(
-            ex.map(lambda r: start_worker(r, worker_tmp, "--profile", "formula", "--formula", "1"), roles)
-        )
+        futs = [
+            ex.submit(start_worker, r, worker_tmp, "--profile", "formula", "--formula", "1") for r in roles
+        ]
+    errors = [f.exception() for f in futs if f.exception() is not None]
+    procs = [f.result() for f in futs if f.exception() is None]
+    if errors:  # never leak the ones that did start
+        for p in procs:
+            p.stop()
+        raise errors[0]  # type: ignore[misc]
     pool = {
         "prefill": [p for p in procs if p.role == "prefill"],
         "decode": [p for p in procs if p.role == "decode"],
@@ -106,3 +121,30 @@ async def clients(worker_pool: dict[str, list[WorkerProc]]) -> AsyncIterator[dic
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_embedded_redis() -> Iterator[str]:
+    """One embedded real Redis (own process, AOF) for the cluster tests; each test isolates itself
+    with its own cluster prefix."""
+    from app.state.embedded_redis import start_embedded_redis
+
+    emb = start_embedded_redis(f"t-{uuid.uuid4().hex[:6]}", idle_s=600)
+    yield emb.url
+    emb.stop()
+
+
+@pytest.fixture(params=["embedded", "env"])
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """Both Redis flavours: the embedded one and FLEXLB_REDIS_URL (skipped when unset)."""
+    if request.param == "env":
+        url = os.environ.get("FLEXLB_REDIS_URL")
+        if not url:
+            pytest.skip("FLEXLB_REDIS_URL not set")
+        return url
+    return request.getfixturevalue("shared_embedded_redis")  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def cluster() -> str:
+    return f"t-{uuid.uuid4().hex[:8]}"

@@ -29,6 +29,8 @@ CACHE_STREAM_MAXLEN = 10_000
 class SnapshotWriter(Protocol):
     async def write_snapshot(self, wid: str, epoch: str, seq: int, fields: dict[str, Any]) -> bool: ...
 
+    async def update_snapshot_fields(self, wid: str, fields: dict[str, Any]) -> None: ...
+
 
 def pack_keys(keys: list[int]) -> bytes:
     return np.asarray(keys, dtype="<u8").tobytes()
@@ -107,7 +109,9 @@ class WorkerPoller:
             await self._changed(self.health.failure())
             log.debug("poll %s failed: %s", self.wid, exc)
             if not self.health.routable and self.is_valid():
-                await self.store.write_snapshot(self.wid, self.health.epoch or "", -1, {"health": "down"})
+                # Health is the owner's own verdict, not the worker's: written directly (the worker's
+                # seq did not move, so the only-newer-wins snapshot script would refuse it).
+                await self.store.update_snapshot_fields(self.wid, {"health": str(self.health.state)})
             return
         change = self.health.poll_ok(epoch)
         if change is not None and change.epoch_changed:
@@ -134,7 +138,9 @@ class WorkerPoller:
             "now_ms": st.get("now_ms", 0.0),
             "lag_ms": st.get("lag_ms", 0.0),
         }
-        await self.store.write_snapshot(self.wid, epoch, int(st.get("seq", 0)), fields)
+        # Ordered by the worker's status_seq (it grows with every answer), not by its result seq,
+        # which only moves when a request finishes while KV and queue change all the time.
+        await self.store.write_snapshot(self.wid, epoch, int(st.get("status_seq", 0)), fields)
         await self._publish_cache(epoch, cache)
 
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:

@@ -83,11 +83,18 @@ class Keys:
         return self.w(wid, "queued_ms")
 
     def ledger(self, wid: str) -> str:
-        """HASH batch id → JSON {members, predicted_ms, start_ms, epoch, fence}: committed batches."""
+        """HASH batch id → JSON {predicted_ms, start_ms, fence, holder, epoch, members}: committed batches.
+
+        Written only by the fenced commit script; settle scripts remove members (entry gone when empty).
+        """
         return self.w(wid, "ledger")
 
     def tombstones(self, wid: str) -> str:
-        """ZSET request/batch id → expiry ms: cancelled before dispatch; the commit script drops them."""
+        """ZSET request/batch id → expiry ms: cancelled before dispatch; the commit script drops them.
+
+        Fully settled batch ids are tombstoned too, so a late duplicate commit is dropped.
+        Scores use the server clock (`TIME`); the scripts purge expired entries.
+        """
         return self.w(wid, "tomb")
 
     def reservations(self, wid: str) -> str:

@@ -1,0 +1,70 @@
+"""The FastAPI application of one gateway replica."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from app import metrics as M
+from app.cluster.registry import WorkerSpec
+from app.config import Settings
+from app.gateway.admin import router as admin_router
+from app.gateway.errors import install_error_handlers
+from app.gateway.replica import Replica
+
+log = logging.getLogger("flexlb.gateway")
+
+
+def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec] | None = None) -> FastAPI:
+    replica = Replica(settings, redis_url, seed_workers)
+    admin_token = settings.admin_token or secrets.token_urlsafe(18)
+    if not settings.admin_token:
+        log.warning("FLEXLB_ADMIN_TOKEN unset; generated admin token for this replica: %s", admin_token)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await replica.start()
+        log.info("replica %s serving at %s", replica.replica_id, replica.address)
+        try:
+            yield
+        finally:
+            await replica.stop(drain=True)
+
+    app = FastAPI(title="FlexLB gateway", lifespan=lifespan)
+    app.state.replica = replica
+    app.state.admin_token = admin_token
+    install_error_handlers(app)
+    app.include_router(admin_router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process serves HTTP. Readiness is /readyz."""
+        return {"status": "ok", "replica": replica.replica_id}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ok, reasons = replica.readiness()
+        body = {
+            "ready": ok,
+            "reasons": reasons,
+            "replica": replica.replica_id,
+            "redis": {"ok": replica.redis_ok, "reason": replica.redis_reason},
+            "workers": {
+                w: replica.snapshots.get(w, {}).get("health", "unknown") for w in sorted(replica.workers)
+            },
+            "owned": sorted(replica.leases.owned()),
+            "master": replica.leases.is_master(),
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(M.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return app

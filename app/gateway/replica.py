@@ -1,0 +1,353 @@
+"""One gateway replica's cluster machinery: Redis, membership, leases, owner pollers, the cache
+mirror, the master's reaping and the Redis health watch (`fail_closed`, DESIGN §6).
+
+The replica holds no state another replica needs: everything shared is in Redis; what is kept
+here (worker snapshots, the cache mirror) is a local copy that any replica rebuilds from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from app import metrics as M
+from app.cache.follower import MirrorFollower
+from app.cache.mirror import CacheMirror
+from app.cluster.health import HealthChange
+from app.cluster.leases import LeaseManager
+from app.cluster.membership import Membership
+from app.cluster.poller import WorkerPoller
+from app.cluster.registry import Registry, WorkerSpec
+from app.config import Settings
+from app.rpc.worker_client import WorkerClient
+from app.state.keys import Keys
+from app.state.store import StateStore
+
+log = logging.getLogger("flexlb.replica")
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Replica:
+    def __init__(
+        self, settings: Settings, redis_url: str, seed_workers: list[WorkerSpec] | None = None
+    ) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.seed_workers = seed_workers or []
+        self.replica_id = settings.replica_id or default_replica_id()
+        self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
+        self.keys = Keys(settings.cluster)
+        self.redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.store = StateStore(self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s)
+        self.registry = Registry(self.redis, self.keys)
+        self.membership = Membership(
+            self.redis,
+            self.keys,
+            self.replica_id,
+            self.address,
+            settings.heartbeat_ms,
+            settings.member_ttl_ms,
+        )
+        self.leases = LeaseManager(
+            self.redis,
+            self.keys,
+            self.replica_id,
+            settings.lease_ttl_ms,
+            membership=self.membership,
+            on_acquire=self._on_acquire,
+            on_lose=self._on_lose,
+            on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
+            on_master_lose=lambda: self._lease_metric("master", "lost"),
+        )
+        self.mirror = CacheMirror(settings.speculative_ttl_ms)
+        self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
+        self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
+        self.follower = MirrorFollower(
+            aioredis.from_url(redis_url, socket_timeout=5.0),
+            self.keys,
+            self.mirror,
+            lambda: self.prefill_ids(),
+        )
+        self.clients: dict[str, WorkerClient] = {}
+        self.pollers: dict[str, WorkerPoller] = {}
+        self.redis_ok = False
+        self.redis_reason = "not connected yet"
+        self.cluster_epoch: str | None = None
+        self.rebuilds = 0
+        self.draining = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._commands_exported = 0
+        self._epoch_lock = asyncio.Lock()
+
+    # ---- views ---------------------------------------------------------------------------
+    def prefill_ids(self) -> list[str]:
+        return sorted(w for w, i in self.workers.items() if i.get("role") == "prefill")
+
+    def decode_ids(self) -> list[str]:
+        return sorted(w for w, i in self.workers.items() if i.get("role") == "decode")
+
+    def worker_up(self, wid: str) -> bool:
+        return self.snapshots.get(wid, {}).get("health") == "up"
+
+    def readiness(self) -> tuple[bool, list[str]]:
+        reasons = []
+        if self.draining:
+            reasons.append("draining")
+        if not self.redis_ok:
+            reasons.append(f"redis unreachable: {self.redis_reason}")
+        if not any(self.worker_up(w) for w in self.prefill_ids()):
+            reasons.append("no live prefill worker")
+        if not any(self.worker_up(w) for w in self.decode_ids()):
+            reasons.append("no live decode worker")
+        return not reasons, reasons
+
+    def client(self, wid: str) -> WorkerClient:
+        c = self.clients.get(wid)
+        if c is None:
+            addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
+            c = self.clients[wid] = WorkerClient(addr)
+        return c
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._connect()
+        if self.seed_workers:
+            await self.registry.add(self.seed_workers)
+        await self.refresh_registry()
+        await self.membership.heartbeat_once()
+        self.membership.start()
+        self.leases.start()
+        self.follower.start()
+        for coro in (self._redis_watch(), self._refresh_loop(), self._master_loop()):
+            self._tasks.append(asyncio.create_task(coro))
+
+    async def _connect(self) -> None:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await self.store.load_scripts()
+                self.cluster_epoch, _ = await self.store.ensure_cluster_epoch()
+                self.redis_ok, self.redis_reason = True, ""
+                return
+            except Exception as exc:
+                self.redis_reason = str(exc)
+                if time.monotonic() > deadline:
+                    log.error("redis unreachable at start: %s", exc)
+                    return  # run not-ready; the watch loop keeps trying
+                await asyncio.sleep(0.2)
+
+    async def stop(self, drain: bool = True) -> None:
+        self.draining = True
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for p in list(self.pollers.values()):
+            await p.stop()
+        self.pollers.clear()
+        await self.follower.stop()
+        with contextlib.suppress(Exception):
+            if drain:
+                await self.leases.drain()
+            await self.leases.stop()
+        with contextlib.suppress(Exception):
+            if drain:
+                await self.membership.leave()
+            else:
+                await self.membership.stop()
+        for c in self.clients.values():
+            with contextlib.suppress(Exception):
+                await c.close()
+        with contextlib.suppress(Exception):
+            await self.redis.aclose()
+        with contextlib.suppress(Exception):
+            await self.follower.redis.aclose()
+
+    # ---- owner hooks ---------------------------------------------------------------------
+    def _lease_metric(self, kind: str, change: str) -> None:
+        M.LEASE_CHANGES.labels(kind, change).inc()
+        log.info("lease %s %s", kind, change)
+
+    async def _on_acquire(self, wid: str, fence: int) -> None:
+        self._lease_metric("owner", "acquired")
+        if wid in self.pollers:
+            return
+        if wid not in self.workers:
+            await self.refresh_registry()
+        lease = self.leases._owned.get(wid)
+        poller = WorkerPoller(
+            wid,
+            self.client(wid),
+            self.redis,
+            self.keys,
+            self.store,
+            interval_ms=self.settings.poll_interval_ms,
+            deadline_ms=self.settings.poll_deadline_ms,
+            down_after=self.settings.down_after_failures,
+            is_valid=(lambda: lease.is_valid())
+            if lease is not None
+            else (lambda: wid in self.leases.owned()),
+            on_health=self._on_health,
+        )
+        self.pollers[wid] = poller
+        poller.start()
+
+    async def _on_lose(self, wid: str) -> None:
+        self._lease_metric("owner", "lost")
+        p = self.pollers.pop(wid, None)
+        if p is not None:
+            await p.stop()
+
+    async def _on_health(self, wid: str, change: HealthChange) -> None:
+        M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
+        if change.epoch_changed:
+            M.WORKER_EPOCH_CHANGES.labels(wid).inc()
+            await self.settle_epoch(wid, change.old_epoch)
+
+    async def settle_epoch(self, wid: str, old_epoch: str) -> None:
+        """A worker restarted: whatever was committed to it under the old epoch will never
+        complete there. The batching work extends this to re-dispatch; here the ledger is cleared
+        so owed time does not count work that no longer exists."""
+        ledger = await self.store.read_ledger(wid)
+        for bid, entry in ledger.items():
+            if str(entry.get("epoch", old_epoch)) in (old_epoch, ""):
+                await self.store.settle_batch(wid, bid)
+        log.info("worker %s restarted (old epoch %s): settled %d batches", wid, old_epoch, len(ledger))
+
+    # ---- loops ---------------------------------------------------------------------------
+    async def check_cluster_epoch(self) -> None:
+        """Detect a Redis that came back empty before trusting anything read from it: an empty
+        registry there must not replace what this replica knows."""
+        async with self._epoch_lock:
+            epoch, created = await self.store.ensure_cluster_epoch()
+            if self.cluster_epoch is not None and (created or epoch != self.cluster_epoch):
+                await self._rebuild(epoch)
+            self.cluster_epoch = epoch
+
+    async def refresh_registry(self) -> None:
+        await self.check_cluster_epoch()
+        self.workers = await self.registry.list()
+        for wid in list(self.clients):
+            if wid not in self.workers:
+                with contextlib.suppress(Exception):
+                    await self.clients.pop(wid).close()
+                M.remove_worker_series(wid)
+
+    async def refresh_snapshots(self) -> None:
+        ids = list(self.workers)
+        if not ids:
+            self.snapshots = {}
+            return
+        async with self.redis.pipeline(transaction=False) as p:
+            for wid in ids:
+                p.hgetall(self.keys.snapshot(wid))  # "_retired" rides along; nobody reads it
+            rows = await p.execute()
+        self.snapshots = {
+            wid: {_s(k): _s(v) for k, v in row.items()} for wid, row in zip(ids, rows, strict=True)
+        }
+        for wid, snap in self.snapshots.items():
+            if "kv_free_tokens" in snap:
+                M.WORKER_KV_FREE.labels(wid).set(float(snap["kv_free_tokens"]))
+            M.CACHE_MIRROR_BLOCKS.labels(wid).set(self.mirror.size(wid))
+
+    async def _refresh_loop(self) -> None:
+        interval = self.settings.poll_interval_ms / 1000
+        while True:
+            try:
+                await self.refresh_registry()
+                await self.refresh_snapshots()
+                M.OWNED_WORKERS.set(len(self.leases.owned()))
+                M.IS_MASTER.set(1 if self.leases.is_master() else 0)
+            except Exception as exc:
+                log.debug("refresh failed: %s", exc)
+            await asyncio.sleep(interval)
+
+    async def _redis_watch(self) -> None:
+        """fail_closed: keep a verdict on Redis for /readyz and the request path, and detect a
+        Redis that came back empty (cluster_epoch missing or changed) to rebuild it."""
+        while True:
+            t0 = time.perf_counter()
+            try:
+                await asyncio.wait_for(self.redis.ping(), 1.0)
+                M.REDIS_LATENCY.observe(time.perf_counter() - t0)
+                await self.check_cluster_epoch()
+                if not self.redis_ok:
+                    log.info("redis reachable again")
+                self.redis_ok, self.redis_reason = True, ""
+                M.REDIS_UP.set(1)
+            except Exception as exc:
+                if self.redis_ok:
+                    log.error("redis unreachable: %s", exc)
+                self.redis_ok, self.redis_reason = False, str(exc) or type(exc).__name__
+                M.REDIS_UP.set(0)
+            delta = self.store.commands_total - self._commands_exported
+            if delta > 0:
+                M.REDIS_COMMANDS.inc(delta)
+                self._commands_exported += delta
+            await asyncio.sleep(0.5)
+
+    async def _rebuild(self, new_epoch: str) -> None:
+        """Redis lost everything: put back what this replica knows (registry) and make owners
+        republish full snapshots; leases and membership come back by themselves."""
+        self.rebuilds += 1
+        log.warning(
+            "redis came back empty (cluster epoch %s -> %s): rebuilding", self.cluster_epoch, new_epoch
+        )
+        specs = []
+        for wid, info in self.workers.items():
+            role, _, addr = wid.partition("@")
+            host, _, port = addr.rpartition(":")
+            if info.get("state", "active") != "removed" and port.isdigit():
+                specs.append(WorkerSpec(role, host, int(port)))
+        await self.store.load_scripts()
+        await self.registry.add(specs)
+        await self.membership.heartbeat_once()
+        for p in self.pollers.values():
+            p.cache_version = None
+            p.since_seq = 0
+
+    async def _master_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_ms / 1000)
+            if not self.leases.is_master():
+                continue
+            try:
+                live = await self.membership.live_members()
+                M.LIVE_REPLICAS.set(len(live))
+                for dead in await self.membership.reap():
+                    await self.reap_origin(dead)
+                    M.REAPED_REPLICAS.inc()
+                    log.warning("reaped dead replica %s", dead)
+            except Exception as exc:
+                log.debug("master loop: %s", exc)
+
+    async def reap_origin(self, dead: str) -> int:
+        """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live
+        requests ends `owner_lost` and every hold (decode reservation) is released."""
+        ids = [_s(x) for x in await self.redis.smembers(self.keys.origin_requests(dead))]
+        n = 0
+        for rid in ids:
+            rec = await self.store.get_request(rid)
+            if rec is not None:
+                if rec.get("decode_worker"):
+                    await self.store.release(rec["decode_worker"], rid)
+                if await self.store.transition(rid, "owner_lost", outcome={"error": "origin replica died"}):
+                    n += 1
+            await self.redis.srem(self.keys.origin_requests(dead), rid)
+        return n
+
+
+def _s(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x

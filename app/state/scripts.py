@@ -1,0 +1,212 @@
+"""Lua scripts for the shared state. `StateStore` registers each with `register_script`, so each runs as
+one EVALSHA.
+
+Why scripts: every multi-step update (check-then-write) must be atomic across replicas, and a script
+costs one round trip, however many keys it reads. Each script touches the keys of ONE hash tag
+(`{w:<id>}`, `{q:<id>}` or a cluster-wide key alone), so the layout can move to Redis Cluster.
+Scripts take the clock from `TIME` on the server where a value only needs to be consistent
+among replicas (tombstone expiry, lifecycle timestamps). Redis ≥ 5 replicates a script by its
+effects, so this is allowed. Callers pass only the anchors they own (start_ms, now_ms).
+docs/state.md lists every script with the keys it touches.
+"""
+
+from __future__ import annotations
+
+# Shared snippet: server time in ms (integer).
+_NOW_MS = """
+local __t = redis.call('TIME')
+local now_ms = tonumber(__t[1]) * 1000 + math.floor(tonumber(__t[2]) / 1000)
+local now_str = string.format('%d', now_ms)
+"""
+
+# KEYS[1] cluster_epoch; ARGV[1] candidate epoch → {epoch, created(0|1)}
+ENSURE_CLUSTER_EPOCH = """
+local cur = redis.call('GET', KEYS[1])
+if cur then return {cur, 0} end
+redis.call('SET', KEYS[1], ARGV[1])
+return {ARGV[1], 1}
+"""
+
+# KEYS[1] reservations HASH; ARGV: request_id, tokens, capacity → 1 held (new or already), 0 refused.
+# Idempotent: a request that already holds a reservation keeps its original amount. `_total` is
+# the running sum, so a reader needs one HGET. Numbers go back to Redis as integer text, never as a
+# Lua number: Lua would send 0 negated as "-0", which HINCRBY rejects.
+RESERVE = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 1 end
+local t = tonumber(ARGV[2])
+local total = tonumber(redis.call('HGET', KEYS[1], '_total') or '0')
+if total + t > tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HINCRBY', KEYS[1], '_total', ARGV[2])
+return 1
+"""
+
+# KEYS[1] reservations HASH; ARGV[1] request_id → 1 released now, 0 nothing held (already released).
+RELEASE = """
+local t = redis.call('HGET', KEYS[1], ARGV[1])
+if not t then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local total = redis.call('HINCRBY', KEYS[1], '_total', string.format('%d', -tonumber(t)))
+if total <= 0 then redis.call('HDEL', KEYS[1], '_total') end
+return 1
+"""
+
+# KEYS: owner_lease, ledger, tombstones.
+# ARGV: expected lease value "holder|fence", batch_id, entry_json_prefix, members...
+# → {-1, current_lease} fenced out | {0, kept_json} committed or already committed.
+# The fencing check comes first, so a stale holder learns it is stale even for a retried commit.
+# The batch entry is built here from the kept members, so the caller's JSON has no members field.
+# `entry_json_prefix` is a JSON object without its closing brace, and the script appends
+# `,"members":[...]}`. Caller floats keep their exact text; SETTLE re-encodes only the members.
+COMMIT_BATCH = (
+    _NOW_MS
+    + """
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {-1, cur or ''} end
+local existing = redis.call('HGET', KEYS[2], ARGV[2])
+if existing then return {0, cjson.encode(cjson.decode(existing)['members'])} end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_str)
+if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0, '[]'} end
+local kept = {}
+for i = 4, #ARGV do
+  if not redis.call('ZSCORE', KEYS[3], ARGV[i]) then kept[#kept + 1] = ARGV[i] end
+end
+if #kept == 0 then return {0, '[]'} end
+local members = cjson.encode(kept)
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3] .. ',"members":' .. members .. '}')
+return {0, members}
+"""
+)
+
+# KEYS: ledger, tombstones; ARGV: batch_id, request_id, done_ttl_ms → 1 settled now, 0 not there.
+# When the last member goes, the entry goes, and the batch id is tombstoned for done_ttl_ms. A
+# duplicate commit of a finished batch is then dropped and does not count its time twice.
+# Only the members array is re-encoded; the caller's head is kept byte for byte (cjson would round
+# numbers to 14 significant digits: 0.1 ms at today's epoch ms). `,"members":` cannot occur
+# earlier in the entry, because quotes inside JSON strings are escaped.
+SETTLE = (
+    _NOW_MS
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local b = cjson.decode(raw)
+local rest = {}
+local found = false
+for _, m in ipairs(b['members']) do
+  if (not found) and m == ARGV[2] then found = true else rest[#rest + 1] = m end
+end
+if not found then return 0 end
+if #rest == 0 then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('ZADD', KEYS[2], string.format('%d', now_ms + tonumber(ARGV[3])), ARGV[1])
+else
+  local cut = string.find(raw, ',"members":', 1, true)
+  local head = string.sub(raw, 1, cut - 1)
+  redis.call('HSET', KEYS[1], ARGV[1], head .. ',"members":' .. cjson.encode(rest) .. '}')
+end
+return 1
+"""
+)
+
+# KEYS: ledger, tombstones; ARGV: batch_id, done_ttl_ms → number of members settled (0: not there).
+SETTLE_BATCH = (
+    _NOW_MS
+    + """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local n = #(cjson.decode(raw)['members'])
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], string.format('%d', now_ms + tonumber(ARGV[2])), ARGV[1])
+return n
+"""
+)
+
+# KEYS[1] tombstones; ARGV: id, ttl_ms → 1. Expired entries are purged as a side effect, so the
+# ZSET stays bounded without a reaper.
+TOMBSTONE = (
+    _NOW_MS
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now_str)
+local exp = now_ms + tonumber(ARGV[2])
+local cur = tonumber(redis.call('ZSCORE', KEYS[1], ARGV[1]) or '0')
+if exp > cur then redis.call('ZADD', KEYS[1], string.format('%d', exp), ARGV[1]) end
+return 1
+"""
+)
+
+# KEYS[1] snapshot HASH; ARGV: epoch, seq, max_retired, k1, v1, ... → 1 written, 0 refused.
+# Only-newer-wins: within an epoch seq must grow; an epoch never seen before replaces the whole
+# view (the worker restarted) and retires the previous epoch; a retired epoch never wins again, so
+# a straggler from before a restart cannot overwrite the new view.
+WRITE_SNAPSHOT = """
+local cur_epoch = redis.call('HGET', KEYS[1], 'epoch')
+local seq = tonumber(ARGV[2])
+if cur_epoch == ARGV[1] then
+  local cur_seq = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
+  if seq <= cur_seq then return 0 end
+else
+  local retired = cjson.decode(redis.call('HGET', KEYS[1], '_retired') or '[]')
+  for _, e in ipairs(retired) do
+    if e == ARGV[1] then return 0 end
+  end
+  if cur_epoch then
+    table.insert(retired, 1, cur_epoch)
+    while #retired > tonumber(ARGV[3]) do table.remove(retired) end
+  end
+  redis.call('DEL', KEYS[1])
+  if #retired > 0 then redis.call('HSET', KEYS[1], '_retired', cjson.encode(retired)) end
+end
+redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'seq', ARGV[2])
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+
+# KEYS[1] request HASH; ARGV: origin, k1, v1, ... → 1 created, 0 exists.
+CREATE_REQUEST = (
+    _NOW_MS
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'state', 'queued', 'origin', ARGV[1])
+redis.call('HSET', KEYS[1], 'created_ms', now_str, 'updated_ms', now_str)
+for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+)
+
+# KEYS[1] request HASH; ARGV: to_state, to_rank, terminal(0|1), ttl_s, outcome_json, k1, v1, ...
+# → 1 applied, 0 refused (missing, already terminal, or not forward).
+# Ranks: queued 0, dispatched 1, prefilled 2, decoding 3; a terminal state has no rank here, so
+# nothing leaves it. The caller passes terminal states with rank 100: any non-terminal state may
+# end, once. The outcome JSON is built by the caller and stored verbatim (no cjson round trip,
+# which would turn `[]` into `{}` and round floats).
+TRANSITION = (
+    _NOW_MS
+    + """
+local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3}
+local cur = redis.call('HGET', KEYS[1], 'state')
+if not cur then return 0 end
+local cur_rank = ranks[cur]
+if cur_rank == nil then return 0 end
+if tonumber(ARGV[2]) <= cur_rank then return 0 end
+redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_ms', now_str)
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if ARGV[3] == '1' then
+  redis.call('HSET', KEYS[1], 'outcome', ARGV[5], 'ended_ms', now_str)
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+end
+return 1
+"""
+)
+
+ALL: dict[str, str] = {
+    "ensure_cluster_epoch": ENSURE_CLUSTER_EPOCH,
+    "reserve": RESERVE,
+    "release": RELEASE,
+    "commit_batch": COMMIT_BATCH,
+    "settle": SETTLE,
+    "settle_batch": SETTLE_BATCH,
+    "tombstone": TOMBSTONE,
+    "write_snapshot": WRITE_SNAPSHOT,
+    "create_request": CREATE_REQUEST,
+    "transition": TRANSITION,
+}

@@ -1,0 +1,112 @@
+"""Start real gateway replicas (subprocesses on free ports) for the cluster tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Gateway:
+    proc: subprocess.Popen[bytes]
+    port: int
+    replica_id: str
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if admin else {}
+        return httpx.get(self.url + path, headers=headers, timeout=5, **kw)
+
+    def post(self, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if admin else {}
+        return httpx.post(self.url + path, headers=headers, timeout=5, **kw)
+
+    def readyz(self) -> dict[str, Any]:
+        return self.get("/readyz").json()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def start_gateway(
+    tmp: Path, redis_url: str, cluster: str, workers: str | None = None, timeout: float = 30.0, **env: str
+) -> Gateway:
+    port = free_port()
+    rid = f"gw-{uuid.uuid4().hex[:6]}"
+    log_path = tmp / f"{rid}.log"
+    full_env = {
+        **os.environ,
+        "FLEXLB_CLUSTER": cluster,
+        "FLEXLB_ADMIN_TOKEN": ADMIN_TOKEN,
+        "FLEXLB_REPLICA_ID": rid,
+        **env,
+    }
+    rid = full_env["FLEXLB_REPLICA_ID"]
+    cmd = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port), "--redis-url", redis_url]
+    if workers:
+        cmd += ["--workers", workers]
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    gw = Gateway(proc, port, rid, log_path, env)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited: {gw.log()[-3000:]}")
+        try:
+            if httpx.get(gw.url + "/healthz", timeout=1).status_code == 200:
+                return gw
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    gw.kill()
+    raise RuntimeError(f"gateway did not start: {gw.log()[-3000:]}")
+
+
+def wait_for(cond: Any, timeout: float, interval: float = 0.05, what: str = "condition") -> Any:
+    """Bounded poll on a condition; returns its first truthy value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = cond()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")

@@ -1,0 +1,362 @@
+"""Cluster state through real gateway replicas (subprocesses), real Redis and real Triton workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from app.cluster.rendezvous import assign
+from app.rpc.worker_client import WorkerClient
+from app.state.embedded_redis import find_redis_server
+from app.state.keys import Keys
+from app.state.store import StateStore
+
+from .conftest import start_worker
+from .gateways import Gateway, free_port, start_gateway, wait_for
+
+TTL_S = 3.0
+
+
+def specs(pool) -> str:
+    return ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)
+
+
+def owners(gw: Gateway) -> dict[str, str | None]:
+    leases = gw.get("/admin/leases", admin=True).json()
+    return {w: (o or {}).get("holder") for w, o in leases["owners"].items()}
+
+
+def split_ids(workers: list[str]) -> tuple[str, str]:
+    """Two replica ids between which rendezvous hashing gives each at least one worker."""
+    for i in range(1000):
+        a, b = f"gw-a{i}", f"gw-b{i}"
+        if len(set(assign(workers, [a, b]).values())) == 2:
+            return a, b
+    raise AssertionError("no split found")
+
+
+@pytest.fixture
+def two_gateways(worker_pool, redis_url, cluster, tmp_path):
+    """Two replicas started before any worker is registered; the workers are then added through
+    the admin API, so each replica takes what rendezvous hashing assigns it (leases are sticky:
+    a replica joining later would find them all held)."""
+    ids = split_ids([f"{w.role}@{w.address}" for ws in worker_pool.values() for w in ws])
+    gws = [start_gateway(tmp_path, redis_url, cluster, FLEXLB_REPLICA_ID=rid) for rid in ids]
+    wait_for(
+        lambda: len(gws[0].get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 10, what="2 live"
+    )
+    assert gws[0].post("/admin/workers", admin=True, json={"workers": specs(worker_pool)}).status_code == 200
+    yield gws
+    for g in gws:
+        g.stop()
+
+
+def test_owners_spread_and_move_when_a_replica_dies(two_gateways, redis_url, cluster) -> None:
+    a, b = two_gateways
+    wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="both ready")
+    wait_for(lambda: all(owners(a).values()), 10, what="every worker owned")
+    held = owners(a)
+    assert set(held.values()) == {a.replica_id, b.replica_id}  # spread over both
+    # a record with B as origin and a decode reservation: reaping must end it and release the hold
+    keys = Keys(cluster)
+    r = redis.Redis.from_url(redis_url)
+    dec = next(w for w in held if w.startswith("decode"))
+
+    async def seed() -> None:
+        import redis.asyncio as aioredis
+
+        ar = aioredis.from_url(redis_url)
+        st = StateStore(ar, keys)
+        await st.load_scripts()
+        assert await st.create_request("req-1", b.replica_id, {"decode_worker": dec})
+        assert await st.reserve(dec, "req-1", 1000, 100_000)
+        await ar.sadd(keys.origin_requests(b.replica_id), "req-1")
+        await ar.aclose()
+
+    asyncio.run(seed())
+    t0 = time.monotonic()
+    b.kill()
+    wait_for(lambda: set(owners(a).values()) == {a.replica_id}, 2 * TTL_S + 1, what="leases moved to A")
+    moved_s = time.monotonic() - t0
+    assert moved_s <= 2 * TTL_S + 1
+    wait_for(lambda: r.hget(keys.request("req-1"), "state") == b"owner_lost", 2 * TTL_S + 2, what="reaped")
+    assert int(r.hget(keys.reservations(dec), "_total") or 0) == 0
+    live = a.get("/admin/leases", admin=True).json()["live_replicas"]
+    assert live == [a.replica_id]
+
+
+def test_worker_down_on_kill_and_hang_back_with_new_epoch(
+    worker_pool, shared_embedded_redis, cluster, tmp_path, worker_tmp
+) -> None:
+    own = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1")
+    port = own.ready["grpc_port"]
+    wid = f"prefill@{own.address}"
+    dec = worker_pool["decode"][0]
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"{wid},decode@{dec.address}")
+    try:
+        wait_for(lambda: gw.readyz()["workers"].get(wid) == "up", 15, what="worker up")
+        bound = 2 * (0.2 + 0.5) + 0.6  # 2 × (interval + deadline), plus the snapshot refresh
+        # hang (fault): stops answering status
+        asyncio.run(_configure(own.address, faults={"hang": True}))
+        t0 = time.monotonic()
+        wait_for(lambda: gw.readyz()["workers"][wid] == "down", bound + 1, what="down on hang")
+        assert time.monotonic() - t0 <= bound + 1
+        asyncio.run(_configure(own.address, faults={}))
+        wait_for(lambda: gw.readyz()["workers"][wid] == "up", 5, what="up after hang")
+        # kill
+        old_epoch = own.epoch
+        own.kill_hard()
+        t0 = time.monotonic()
+        wait_for(lambda: gw.readyz()["workers"][wid] == "down", bound + 1, what="down on kill")
+        assert time.monotonic() - t0 <= bound + 1
+        assert not gw.readyz()["ready"] or True
+        # restart on the same port: new epoch, back up
+        own = start_worker(
+            "prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)
+        )
+        assert own.epoch != old_epoch
+        wait_for(lambda: gw.readyz()["workers"][wid] == "up", 15, what="up after restart")
+        snap = gw.get("/admin/workers", admin=True).json()["workers"][wid]["snapshot"]
+        assert snap["epoch"] == own.epoch
+        metrics = gw.get("/metrics").text
+        assert f'flexlb_worker_epoch_changes_total{{worker="{wid}"}} 1.0' in metrics
+    finally:
+        gw.stop()
+        own.stop()
+
+
+async def _configure(addr: str, **kw) -> None:
+    c = WorkerClient(addr)
+    try:
+        await c.configure(**kw)
+    finally:
+        await c.close()
+
+
+async def _prefill(addr: str, tokens: np.ndarray) -> None:
+    c = WorkerClient(addr)
+    try:
+        epoch = (await c.status())["epoch"]
+        async for _ in c.prefill(f"b-{time.monotonic_ns()}", epoch, [(f"r-{time.monotonic_ns()}", tokens)]):
+            pass
+    finally:
+        await c.close()
+
+
+def test_cache_mirror_on_every_replica_and_late_joiner(
+    worker_pool, clients_sync, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, specs(worker_pool))
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster)
+    late = None
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
+        p = worker_pool["prefill"][0]
+        wid = f"prefill@{p.address}"
+        tokens = np.random.default_rng(5).integers(32, 127, 64 * 10, dtype=np.int32)
+        asyncio.run(_prefill(p.address, tokens))
+        version = asyncio.run(_cache_version(p.address))
+        for gw in (a, b):
+            wait_for(
+                lambda gw=gw: gw.get("/admin/cache", admin=True).json()["workers"][wid]["version"] >= version,
+                10,
+                what="mirror caught up",
+            )
+            m = gw.post("/admin/cache/match", admin=True, json={"input_ids": tokens.tolist()}).json()
+            assert m["match"][wid] == 10
+            assert all(v == 0 for w, v in m["match"].items() if w != wid)
+        late = start_gateway(tmp_path, shared_embedded_redis, cluster)
+        wait_for(
+            lambda: (
+                late.get("/admin/cache", admin=True).json()["workers"].get(wid, {}).get("version", 0)
+                >= version
+            ),
+            10,
+            what="late joiner caught up",
+        )
+        m = late.post("/admin/cache/match", admin=True, json={"input_ids": tokens.tolist()}).json()
+        assert m["match"][wid] == 10
+    finally:
+        for g in (a, b, late):
+            if g is not None:
+                g.stop()
+
+
+async def _cache_version(addr: str) -> int:
+    c = WorkerClient(addr)
+    try:
+        st = await c.status()
+        return int((await c.cache(None, st["epoch"]))["version"])
+    finally:
+        await c.close()
+
+
+@pytest.fixture
+def clients_sync(worker_pool):
+    """Reset the pool's workers before and after (sync tests cannot use the async `clients`)."""
+
+    async def reset_all() -> None:
+        for ws in worker_pool.values():
+            for w in ws:
+                c = WorkerClient(w.address)
+                await c.reset()
+                await c.close()
+
+    asyncio.run(reset_all())
+    yield
+    asyncio.run(reset_all())
+
+
+class OwnRedis:
+    """A redis-server this test can stop and restart on the same port, with or without its data."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="flexlb-test-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                find_redis_server(),
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--dir",
+                str(self.dir),
+                "--appendonly",
+                "yes",
+                "--save",
+                "",
+                "--appendfsync",
+                "always",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: _ping(self.url), 10, what="redis up")
+
+    def stop(self, wipe: bool = False) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        if wipe:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir()
+
+
+def _ping(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+def test_redis_restart_with_data_then_empty(worker_pool, cluster, tmp_path) -> None:
+    own = OwnRedis()
+    own.start()
+    gw = start_gateway(tmp_path, own.url, cluster, specs(worker_pool))
+    try:
+        wait_for(lambda: gw.readyz()["ready"], 15, what="ready")
+        keys = Keys(cluster)
+        r = redis.Redis.from_url(own.url)
+        epoch1 = r.get(keys.cluster_epoch)
+        # outage: /readyz says why
+        own.stop()
+        body = wait_for(lambda: (lambda d: d if not d["ready"] else None)(gw.readyz()), 5, what="not ready")
+        assert any("redis unreachable" in x for x in body["reasons"])
+        assert gw.get("/readyz").status_code == 503
+        # back with its data: resumes, same cluster epoch
+        own.start()
+        wait_for(lambda: gw.readyz()["ready"], 10, what="ready again")
+        assert redis.Redis.from_url(own.url).get(keys.cluster_epoch) == epoch1
+        # back empty: detected, rebuilt from what the replica knows and from the workers
+        own.stop(wipe=True)
+        own.start()
+        r = redis.Redis.from_url(own.url)
+        wait_for(lambda: r.get(keys.cluster_epoch) not in (None, epoch1), 10, what="new cluster epoch")
+        wait_for(lambda: r.scard(keys.workers) == 3, 10, what="registry rebuilt")
+        wait_for(lambda: gw.readyz()["ready"], 10, what="ready after rebuild")
+        assert "came back empty" in gw.log()
+    finally:
+        gw.stop()
+        own.stop(wipe=True)
+        shutil.rmtree(own.dir, ignore_errors=True)
+
+
+def test_admin_auth_and_validation(worker_pool, shared_embedded_redis, cluster, tmp_path) -> None:
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, specs(worker_pool))
+    try:
+        for path in ("/admin/workers", "/admin/leases", "/admin/config"):
+            resp = gw.get(path)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "unauthorized"
+        before = gw.get("/admin/workers", admin=True).json()["workers"].keys()
+        for bad in ({"workers": "gpu@h:1"}, {"workers": ""}, {"nope": 1}, {"workers": "prefill@h:99999"}):
+            resp = gw.post("/admin/workers", admin=True, json=bad)
+            assert resp.status_code == 400, bad
+            assert resp.json()["error"]["code"] == "invalid_request"
+        assert gw.get("/admin/workers", admin=True).json()["workers"].keys() == before
+        cfg0 = gw.get("/admin/config", admin=True).json()
+        for bad in ({"prefill_strategy": "fastest"}, {"prefill_time_formula": "1 + foo"}, {}, {"x": 1}):
+            resp = httpx_put(gw, "/admin/config", bad)
+            assert resp.status_code == 400, bad
+        assert gw.get("/admin/config", admin=True).json() == cfg0
+        ok = httpx_put(
+            gw, "/admin/config", {"prefill_strategy": "prefix", "prefill_time_formula": "5 + inputTokens"}
+        )
+        assert ok.status_code == 200 and ok.json()["config"]["prefill_strategy"] == "prefix"
+        # a second replica sees the same config (stored in Redis)
+        gw2 = start_gateway(tmp_path, shared_embedded_redis, cluster)
+        try:
+            assert gw2.get("/admin/config", admin=True).json()["config"]["prefill_strategy"] == "prefix"
+        finally:
+            gw2.stop()
+        # add / drain / remove persist
+        assert (
+            gw.post("/admin/workers", admin=True, json={"workers": "decode@127.0.0.1:1"}).status_code == 200
+        )
+        assert gw.post("/admin/workers/decode@127.0.0.1:1/drain", admin=True).status_code == 200
+        assert (
+            gw.get("/admin/workers", admin=True).json()["workers"]["decode@127.0.0.1:1"]["state"]
+            == "draining"
+        )
+        import httpx
+
+        resp = httpx.delete(
+            gw.url + "/admin/workers/decode@127.0.0.1:1", headers={"Authorization": "Bearer test-admin-token"}
+        )
+        assert resp.status_code == 200
+        assert "decode@127.0.0.1:1" not in gw.get("/admin/workers", admin=True).json()["workers"]
+        m = gw.get("/metrics").text
+        for name in (
+            "flexlb_lease_changes_total",
+            "flexlb_redis_latency_seconds_bucket",
+            "flexlb_worker_up",
+            "flexlb_redis_up",
+        ):
+            assert name in m
+        json.loads(gw.get("/readyz").text)
+    finally:
+        gw.stop()
+
+
+def httpx_put(gw: Gateway, path: str, body: dict):
+    import httpx
+
+    return httpx.put(
+        gw.url + path, json=body, headers={"Authorization": "Bearer test-admin-token"}, timeout=5
+    )
