@@ -90,6 +90,7 @@ class WorkerService:
         self._subs: dict[str, list[Subscriber]] = {}
         self._peer_clients: dict[str, Any] = {}
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
+        self._status_seq = 0  # strictly increasing per answered status: pollers' only-newer-wins key
 
     # ---- set-up ---------------------------------------------------------------------------
     @property
@@ -430,7 +431,9 @@ class WorkerService:
     def _status(self, since_seq: int) -> dict[str, Any]:
         core = self.core
         now = self.runner.model_now()
+        self._status_seq += 1
         st: dict[str, Any] = {
+            "status_seq": self._status_seq,
             "role": self.cfg.role,
             "epoch": self.epoch,
             "address": self.address,
