@@ -67,20 +67,28 @@ class Gateway:
 
 
 def start_gateway(
-    tmp: Path, redis_url: str, cluster: str, workers: str | None = None, timeout: float = 30.0, **env: str
+    tmp: Path,
+    redis_url: str | None,
+    cluster: str,
+    workers: str | None = None,
+    timeout: float = 30.0,
+    **env: str,
 ) -> Gateway:
+    """`redis_url=None` starts the replica without one: it runs its own embedded Redis."""
     port = free_port()
     rid = f"gw-{uuid.uuid4().hex[:6]}"
     log_path = tmp / f"{rid}.log"
     full_env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "FLEXLB_REDIS_URL"},
         "FLEXLB_CLUSTER": cluster,
         "FLEXLB_ADMIN_TOKEN": ADMIN_TOKEN,
         "FLEXLB_REPLICA_ID": rid,
         **env,
     }
     rid = full_env["FLEXLB_REPLICA_ID"]
-    cmd = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port), "--redis-url", redis_url]
+    cmd = [sys.executable, "-m", "app.cli", "gateway", "--port", str(port)]
+    if redis_url:
+        cmd += ["--redis-url", redis_url]
     if workers:
         cmd += ["--workers", workers]
     with open(log_path, "wb") as out:

@@ -94,6 +94,25 @@ def test_owners_spread_and_move_when_a_replica_dies(two_gateways, redis_url, clu
     assert live == [a.replica_id]
 
 
+def test_embedded_redis_survives_the_replica_that_started_it(worker_pool, cluster, tmp_path) -> None:
+    gw = start_gateway(tmp_path, None, cluster, specs(worker_pool), FLEXLB_EMBEDDED_REDIS_IDLE_S="5")
+    first = json.loads(gw.log().splitlines()[0])
+    assert first["msg"].startswith("redis_url=redis://127.0.0.1:")
+    url = first["msg"].split("=", 1)[1]
+    wait_for(lambda: gw.readyz()["ready"], 15, what="ready on embedded redis")
+    gw.kill()
+    r = redis.Redis.from_url(url)
+    assert r.ping()
+    assert r.scard(Keys(cluster).workers) == 3  # the state outlived the replica
+    b = start_gateway(tmp_path, url, cluster)  # another replica joins the same state
+    try:
+        wait_for(lambda: b.readyz()["ready"], 15, what="second replica ready")
+    finally:
+        b.stop()
+    # no replica heartbeats any more: the embedded Redis exits by itself after its idle time
+    wait_for(lambda: not _ping(url), 30, interval=0.5, what="embedded redis exits when idle")
+
+
 def test_worker_down_on_kill_and_hang_back_with_new_epoch(
     worker_pool, shared_embedded_redis, cluster, tmp_path, worker_tmp
 ) -> None:
@@ -112,6 +131,24 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
         assert time.monotonic() - t0 <= bound + 1
         asyncio.run(_configure(own.address, faults={}))
         wait_for(lambda: gw.readyz()["workers"][wid] == "up", 5, what="up after hang")
+        # a batch committed under the current epoch: it must be settled when the worker restarts
+        keys = Keys(cluster)
+        r = redis.Redis.from_url(shared_embedded_redis)
+        holder, fence = r.get(keys.owner_lease(wid)).decode().split("|")
+
+        async def commit() -> None:
+            import redis.asyncio as aioredis
+
+            ar = aioredis.from_url(shared_embedded_redis)
+            st = StateStore(ar, keys)
+            await st.load_scripts()
+            assert await st.commit_batch(
+                wid, "old-batch", ["m1"], 50.0, 0.0, int(fence), holder, epoch=own.epoch
+            )
+            await ar.aclose()
+
+        asyncio.run(commit())
+        assert r.hexists(keys.ledger(wid), "old-batch")
         # kill
         old_epoch = own.epoch
         own.kill_hard()
@@ -127,6 +164,7 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
         wait_for(lambda: gw.readyz()["workers"][wid] == "up", 15, what="up after restart")
         snap = gw.get("/admin/workers", admin=True).json()["workers"][wid]["snapshot"]
         assert snap["epoch"] == own.epoch
+        wait_for(lambda: not r.hexists(keys.ledger(wid), "old-batch"), 5, what="old-epoch batch settled")
         metrics = gw.get("/metrics").text
         assert f'flexlb_worker_epoch_changes_total{{worker="{wid}"}} 1.0' in metrics
     finally:
