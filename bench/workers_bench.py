@@ -40,6 +40,7 @@ from types import FrameType
 from typing import Any
 
 import numpy as np
+import psutil
 from rich.console import Console
 from rich.table import Table
 
@@ -51,7 +52,7 @@ DEFAULT_OUT = ROOT / "bench" / "out"
 VOCAB = 128_000  # Llama-3 vocabulary is 128,256 ids; any int32 works, this keeps prompts plausible
 OVERHEAD_TARGET_MS = 10.0
 DELIVERY_TARGET = 0.90
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 160)
 
 
 # ---- workers ------------------------------------------------------------------------------------
@@ -95,9 +96,12 @@ def _pump_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
         out.put(line)
 
 
-def start_worker(role: str, args: Sequence[str], log_dir: Path, timeout: float = 120.0) -> Worker:
+def start_worker(
+    role: str, args: Sequence[str], log_dir: Path, env: dict[str, str], timeout: float = 120.0
+) -> Worker:
     """Start `flexlb worker` on 127.0.0.1 and wait (bounded) for its `worker_ready` JSON line."""
     log_path = log_dir / f"{role}-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:6]}.log"
+    loopback = ["--host", "127.0.0.1", "--bind", "127.0.0.1"]
     cmd = [
         sys.executable,
         "-m",
@@ -105,16 +109,15 @@ def start_worker(role: str, args: Sequence[str], log_dir: Path, timeout: float =
         "worker",
         "--role",
         role,
-        "--host",
-        "127.0.0.1",
-        "--bind",
-        "127.0.0.1",
+        *loopback,
         "--log-level",
         "WARNING",
         *args,
     ]
     with open(log_path, "w") as err:  # the child keeps its own descriptor
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **env}
+        )
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=_pump_lines, args=(proc, lines), daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -135,7 +138,9 @@ def start_worker(role: str, args: Sequence[str], log_dir: Path, timeout: float =
     raise RuntimeError(f"{role} worker did not become ready (rc={proc.returncode}); log tail:\n{tail}")
 
 
-def start_workers(specs: Sequence[tuple[str, list[str]]], log_dir: Path, attempts: int = 2) -> list[Worker]:
+def start_workers(
+    specs: Sequence[tuple[str, list[str]]], log_dir: Path, env: dict[str, str], attempts: int = 2
+) -> list[Worker]:
     """Start all workers in parallel (each takes ~6 s). A start can fail spuriously when another
     process races for a port or the box is busy, so each one is retried once."""
 
@@ -143,7 +148,7 @@ def start_workers(specs: Sequence[tuple[str, list[str]]], log_dir: Path, attempt
         last: Exception | None = None
         for _ in range(attempts):
             try:
-                return start_worker(spec[0], spec[1], log_dir)
+                return start_worker(spec[0], spec[1], log_dir, env)
             except RuntimeError as exc:
                 last = exc
                 console.print(f"[yellow]{spec[0]} worker failed to start, retrying: {str(exc)[:200]}")
@@ -181,8 +186,10 @@ class ClockMap:
 
     Both processes read CLOCK_MONOTONIC, and the worker's modelled clock is
     `model0 + (monotonic - wall0) * 1000 / time_scale`, so one `status` round trip pins the
-    offset to within half its RTT (the smallest of a few tries is used). Lets the bench split
-    wall overhead into "before the engine saw it" and "after the engine finished it".
+    offset to within half its RTT (the smallest of a few tries is used). Used for the decode
+    delivery lag (arrival minus the modelled time of a chunk's last token), where the lag is far
+    larger than that error; `clock_sync_rtt_ms` is reported next to it. Too coarse to split the
+    ~20 ms prefill overhead, which (b) therefore splits with client-side instants only.
     """
 
     mono_ref: float
@@ -208,6 +215,40 @@ class ClockMap:
         return self.mono_ref + (model_ms - self.model_ref_ms) * self.time_scale / 1000.0
 
 
+class CpuMeter:
+    """CPU cores used by this client and by one worker's process tree (worker, tritonserver, stubs).
+
+    On a 2-core box the client competes with the worker it measures; reporting both shows when a
+    figure is the box's ceiling rather than the worker's."""
+
+    def __init__(self, worker_pid: int) -> None:
+        self.me = psutil.Process()
+        self.worker = psutil.Process(worker_pid)
+
+    def _cpu(self) -> tuple[float, float, float]:
+        def tree(p: psutil.Process) -> float:
+            total = 0.0
+            for q in [p, *p.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    t = q.cpu_times()
+                    total += t.user + t.system
+            return total
+
+        mine = self.me.cpu_times()
+        return time.monotonic(), mine.user + mine.system, tree(self.worker)
+
+    def start(self) -> tuple[float, float, float]:
+        return self._cpu()
+
+    def cores(self, since: tuple[float, float, float]) -> dict[str, float]:
+        now = self._cpu()
+        wall = max(now[0] - since[0], 1e-9)
+        return {
+            "client_cores": r2((now[1] - since[1]) / wall),
+            "worker_cores": r2((now[2] - since[2]) / wall),
+        }
+
+
 # ---- (a) prefill throughput ---------------------------------------------------------------------
 @dataclass
 class BatchOutcome:
@@ -218,6 +259,7 @@ class BatchOutcome:
     modelled_ms: float
     t_sent: float
     t_accepted: float
+    t_results: float
     t_final: float
     start_ms: float
     end_ms: float
@@ -240,10 +282,29 @@ class PromptSource:
         return out
 
 
+BATCH_TIMEOUT_S = 60.0
+
+
 async def run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]]) -> BatchOutcome:
-    """One prefill batch, send to `final`; the modelled span is min(start_ms)..max(end_ms)."""
+    """One prefill batch, send to `final`; the modelled span is min(start_ms)..max(end_ms).
+    Bounded by BATCH_TIMEOUT_S: a wedged worker must fail the section, not hang the bench."""
+    try:
+        async with asyncio.timeout(BATCH_TIMEOUT_S):
+            return await _run_batch(client, epoch, reqs)
+    except TimeoutError:
+        try:  # say whether the worker itself is stuck or only this stream
+            st = _brief_status(await client.status(timeout=5.0))
+            st["live"] = (await client.status(timeout=5.0)).get("live")
+        except Exception as exc:
+            st = {"status_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        raise RuntimeError(
+            f"prefill batch got no `final` within {BATCH_TIMEOUT_S:g} s; worker: {st}"
+        ) from None
+
+
+async def _run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]]) -> BatchOutcome:
     t_sent = time.monotonic()
-    t_acc = t_fin = float("nan")
+    t_acc = t_res = t_fin = float("nan")
     ok = bad = cached = 0
     starts: list[float] = []
     ends: list[float] = []
@@ -252,6 +313,7 @@ async def run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.n
         if ev.event == "accepted":
             t_acc = time.monotonic()
         elif ev.event == "results":
+            t_res = t_res if t_res == t_res else time.monotonic()  # first results event (nan != nan)
             for r in ev.results:
                 if r["status"] == "ok":
                     ok += 1
@@ -276,6 +338,7 @@ async def run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.n
         max(ends) - min(starts),
         t_sent,
         t_acc,
+        t_res,
         t_fin,
         min(starts),
         max(ends),
@@ -306,6 +369,7 @@ async def prefill_throughput(
     concurrency: int,
     warmup_batches: int,
     seed: int,
+    meter: CpuMeter,
 ) -> list[dict[str, Any]]:
     """Back-to-back batches on `concurrency` streams for `duration_s` per (batch size, prompt
     length); counts batches that *finish*, so in-flight work at the deadline is waited for."""
@@ -317,6 +381,7 @@ async def prefill_throughput(
             for _ in range(warmup_batches):  # first calls pay channel set-up and allocations
                 await run_batch(client, epoch, src.batch(tag, size, length))
             outcomes: list[BatchOutcome] = []
+            cpu0 = meter.start()
             t0 = time.monotonic()
             deadline = t0 + duration_s
 
@@ -327,6 +392,7 @@ async def prefill_throughput(
                 )
             )
             elapsed = max(o.t_final for o in outcomes) - t0
+            cpu = meter.cores(cpu0)
             lat = [o.wall_ms for o in outcomes]
             n = len(outcomes)
             rows.append(
@@ -344,6 +410,7 @@ async def prefill_throughput(
                     "not_ok": sum(o.n_bad for o in outcomes),
                     "cached_tokens": sum(o.cached_tokens for o in outcomes),
                     "first_error": next((o.error for o in outcomes if o.error), ""),
+                    **cpu,
                 }
             )
             console.print(
@@ -364,24 +431,28 @@ async def prefill_overhead(
     batches: int,
     warmup: int,
     seed: int,
+    meter: CpuMeter,
 ) -> dict[str, Any]:
     """Sequential batches (nothing queued, so start_ms is the engine's arrival time): added ms =
-    send..final wall minus the modelled end_ms - start_ms, split at the engine via ClockMap."""
+    send..final wall minus the modelled end_ms - start_ms. The split uses client-side instants only:
+    the worker's clock cannot be mapped onto ours more precisely than a status RTT (~5-50 ms here),
+    which is larger than what is being measured."""
     await client.reset()  # drop (a)'s cache and history
     resp = await client.configure(formula=formula)
     if not resp.get("ok"):
         raise RuntimeError(f"configure formula={formula!r} refused: {resp}")
-    clock = await ClockMap.calibrate(client)
     src = PromptSource(seed + 1)
     for _ in range(warmup):
         await run_batch(client, epoch, src.batch("ovw", size, length))
+    cpu0 = meter.start()
     outs = [await run_batch(client, epoch, src.batch("ov", size, length)) for _ in range(batches)]
-    scale = clock.time_scale
-    added = [o.wall_ms - o.modelled_ms * scale for o in outs]
-    ingress = [(clock.wall(o.start_ms) - o.t_sent) * 1000 for o in outs]
-    egress = [(o.t_final - clock.wall(o.end_ms)) * 1000 for o in outs]
-    accepted = [(o.t_accepted - o.t_sent) * 1000 for o in outs]
+    cpu = meter.cores(cpu0)
     st = await client.status()
+    scale = float(st["time_scale"])
+    added = [o.wall_ms - o.modelled_ms * scale for o in outs]
+    accepted = [(o.t_accepted - o.t_sent) * 1000 for o in outs]
+    middle = [(o.t_results - o.t_accepted) * 1000 - o.modelled_ms * scale for o in outs]
+    tail = [(o.t_final - o.t_results) * 1000 for o in outs]
     return {
         "formula": formula,
         "batch_size": size,
@@ -393,11 +464,11 @@ async def prefill_overhead(
         "added_ms_p99": r2(pct(added, 99)),
         "added_ms_max": r2(max(added)),
         "send_to_accepted_ms_p50": r2(pct(accepted, 50)),
-        "send_to_engine_start_ms_p50": r2(pct(ingress, 50)),
-        "engine_end_to_final_ms_p50": r2(pct(egress, 50)),
-        "clock_sync_rtt_ms": r2(clock.rtt_ms),
+        "accepted_to_results_minus_modelled_ms_p50": r2(pct(middle, 50)),
+        "results_to_final_ms_p50": r2(pct(tail, 50)),
         "worker_max_lag_ms": r2(st.get("max_lag_ms", float("nan"))),
         "not_ok": sum(o.n_bad for o in outs),
+        **cpu,
         "target_ms": OVERHEAD_TARGET_MS,
         "meets_target": bool(pct(added, 50) <= OVERHEAD_TARGET_MS),
     }
@@ -417,26 +488,44 @@ class StreamLog:
     finish_reason: str = ""
     generated: int = 0
     error: str = ""
+    truncated: bool = False  # stopped reading at the wall budget; the engine work was cancelled
+
+
+def _loop_time(mono: float) -> float:
+    """asyncio's loop clock for a time.monotonic() instant (they are the same clock on Linux, but
+    the loop does not promise it)."""
+    return asyncio.get_running_loop().time() + (mono - time.monotonic())
 
 
 async def decode_stream(
-    client: WorkerClient, epoch: str, rid: str, input_tokens: int, new_tokens: int
+    client: WorkerClient, epoch: str, rid: str, input_tokens: int, new_tokens: int, stop_at: float
 ) -> StreamLog:
+    """Read one decode stream to its finish, or until `stop_at` (time.monotonic()): a worker that
+    cannot keep up would otherwise make one repetition last minutes."""
     log = StreamLog(rid)
     expect = 1
-    async for ev in client.decode(rid, epoch, input_tokens, new_tokens):
-        if ev.event == "tokens":
-            log.arrivals.append(time.monotonic())
-            log.counts.append(len(ev.tokens))
-            log.last_t_last_ms.append(ev.t_last_ms)
-            if ev.first_index != expect:
-                log.gaps += 1
-            expect = ev.first_index + len(ev.tokens)
-            log.tokens.extend(ev.tokens)
-            log.t_first_ms = min(log.t_first_ms, ev.t_first_ms)
-            log.t_last_ms = max(log.t_last_ms, ev.t_last_ms)
-        else:
-            log.finish_reason, log.generated, log.error = ev.finish_reason, ev.generated, ev.error
+    try:
+        async with (
+            asyncio.timeout_at(_loop_time(stop_at)),
+            contextlib.aclosing(client.decode(rid, epoch, input_tokens, new_tokens)) as events,
+        ):
+            async for ev in events:
+                if ev.event != "tokens":
+                    log.finish_reason, log.generated, log.error = ev.finish_reason, ev.generated, ev.error
+                    break
+                log.arrivals.append(time.monotonic())
+                log.counts.append(len(ev.tokens))
+                log.last_t_last_ms.append(ev.t_last_ms)
+                if ev.first_index != expect:
+                    log.gaps += 1
+                expect = ev.first_index + len(ev.tokens)
+                log.tokens.extend(ev.tokens)
+                log.t_first_ms = min(log.t_first_ms, ev.t_first_ms)
+                log.t_last_ms = max(log.t_last_ms, ev.t_last_ms)
+    except TimeoutError:
+        log.truncated = True
+    if log.truncated:  # closing the stream does not stop the engine (docs/worker-protocol.md)
+        await client.cancel(rid)
     return log
 
 
@@ -450,44 +539,74 @@ async def decode_delivery(
     reps: int,
     chunk_interval_ms: float,
     seed: int,
+    budget_s: float,
+    meter: CpuMeter,
 ) -> dict[str, Any]:
     """`streams` concurrent decode streams, `reps` times. Delivered rate uses the wall span from
     the first to the last tokens event received; the modelled rate the span from the earliest
-    t_first_ms to the latest t_last_ms, so both count the same tokens over comparable spans."""
+    t_first_ms to the latest t_last_ms, so both count the same tokens over comparable spans.
+    A repetition that outlives `budget_s` is cut there (flagged `truncated`); the ratio then
+    covers the tokens received, which is still delivered vs produced."""
     per_rep = []
     all_gaps_ms: list[float] = []
     all_counts: list[int] = []
     lags_ms: list[float] = []
     bad: list[str] = []
     mismatched = 0
+    truncated = 0
     clock = await ClockMap.calibrate(client)
     for rep in range(reps):
         tag = uuid.uuid4().hex[:8]
+        cpu0 = meter.start()
         t0 = time.monotonic()
         logs = await asyncio.gather(
             *(
-                decode_stream(client, epoch, f"dec{streams}-{tag}-{i}", input_tokens, new_tokens)
+                decode_stream(
+                    client, epoch, f"dec{streams}-{tag}-{i}", input_tokens, new_tokens, t0 + budget_s
+                )
                 for i in range(streams)
             )
         )
         t_end = time.monotonic()
+        cpu = meter.cores(cpu0)
+        cut = sum(lg.truncated for lg in logs)
+        truncated += cut
+        if cut:
+            await asyncio.sleep(2.0)  # let the worker drain responses still queued for the cut streams
         tokens = sum(len(lg.tokens) for lg in logs)
         arrivals = [a for lg in logs for a in lg.arrivals]
         wall_span = max(arrivals) - min(arrivals)
-        model_span_s = (max(lg.t_last_ms for lg in logs) - min(lg.t_first_ms for lg in logs)) / 1000.0
-        model_span_wall = model_span_s * clock.time_scale
         delivered = tokens / wall_span
-        modelled = tokens / model_span_s
+        if not cut:
+            model_span_s = (max(lg.t_last_ms for lg in logs) - min(lg.t_first_ms for lg in logs)) / 1000.0
+            modelled = tokens / model_span_s
+            method = "span"
+        else:
+            # Cut streams received different prefixes, so the global modelled span no longer
+            # matches the tokens counted; the engine's production rate is the sum of each
+            # stream's own modelled rate (they all run concurrently).
+            spans = [
+                (len(lg.tokens) - 1, lg.t_last_ms - lg.t_first_ms)  # tokens after the first one
+                for lg in logs
+                if len(lg.tokens) > 1
+            ]
+            modelled = sum(1000.0 * n / ms for n, ms in spans if ms > 0)
+            model_span_s = None
+            method = "per-stream rate"
+        modelled_wall = modelled / clock.time_scale  # tokens per wall second the engine produces
         per_rep.append(
             {
                 "rep": rep,
                 "tokens": tokens,
                 "wall_span_s": round(wall_span, 3),
-                "modelled_span_s": round(model_span_s, 3),
+                "modelled_span_s": None if model_span_s is None else round(model_span_s, 3),
                 "end_to_end_s": round(t_end - t0, 3),
                 "delivered_tokens_per_s": round(delivered, 1),
                 "modelled_tokens_per_s": round(modelled, 1),
-                "ratio": round(model_span_wall / wall_span, 4),
+                "ratio": round(delivered / modelled_wall, 4),
+                "ratio_method": method,
+                "truncated_streams": cut,
+                **cpu,
             }
         )
         for lg in logs:
@@ -496,7 +615,7 @@ async def decode_delivery(
             lags_ms.extend(
                 (a - clock.wall(t)) * 1000 for a, t in zip(lg.arrivals, lg.last_t_last_ms, strict=True)
             )
-            if (
+            if not lg.truncated and (
                 lg.finish_reason != "length"
                 or lg.generated != new_tokens
                 or len(lg.tokens) != new_tokens
@@ -531,6 +650,10 @@ async def decode_delivery(
         "worker_avg_step_ms": r2(st.get("avg_step_ms", float("nan"))),
         "worker_max_lag_ms": r2(st.get("max_lag_ms", float("nan"))),
         "bad_streams": len(bad),
+        "truncated_streams": truncated,
+        "client_cores": r2(float(np.median([p["client_cores"] for p in per_rep]))),
+        "worker_cores": r2(float(np.median([p["worker_cores"] for p in per_rep]))),
+        "budget_s": budget_s,
         "bad_examples": bad[:3],
         "token_mismatch_streams": mismatched,
         "per_rep": per_rep,
@@ -540,13 +663,28 @@ async def decode_delivery(
 
 
 # ---- report -------------------------------------------------------------------------------------
+def _cores(d: dict[str, Any]) -> str:
+    """CPU cores used by the worker's process tree / by this client while measuring."""
+    return f"{d.get('worker_cores', float('nan')):.2f}/{d.get('client_cores', float('nan')):.2f}"
+
+
 def render(results: dict[str, Any]) -> None:
     tp = results.get("prefill_throughput")
     if isinstance(tp, list):
         t = Table(
             title=f"(a) prefill throughput, formula 0, {results['config']['concurrency']} streams in flight"
         )
-        for col in ("batch", "prompt", "batches/s", "requests/s", "p50 ms", "p99 ms", "not ok", "cached"):
+        for col in (
+            "batch",
+            "prompt",
+            "batches/s",
+            "requests/s",
+            "p50 ms",
+            "p99 ms",
+            "not ok",
+            "cached",
+            "cores w/c",
+        ):
             t.add_column(col, justify="right")
         for r in tp:
             t.add_row(
@@ -558,6 +696,7 @@ def render(results: dict[str, Any]) -> None:
                 f"{r['latency_p99_ms']:.1f}",
                 str(r["not_ok"]),
                 str(r["cached_tokens"]),
+                _cores(r),
             )
         console.print(t)
     ov = results.get("prefill_overhead")
@@ -573,8 +712,9 @@ def render(results: dict[str, Any]) -> None:
             "added p50",
             "added p99",
             "send->accepted",
-            "send->start",
-            "end->final",
+            "accepted->results -modelled",
+            "results->final",
+            "cores w/c",
             "ok",
         ):
             t.add_column(col, justify="right")
@@ -585,8 +725,9 @@ def render(results: dict[str, Any]) -> None:
             f"{ov['added_ms_p50']:.2f}",
             f"{ov['added_ms_p99']:.2f}",
             f"{ov['send_to_accepted_ms_p50']:.2f}",
-            f"{ov['send_to_engine_start_ms_p50']:.2f}",
-            f"{ov['engine_end_to_final_ms_p50']:.2f}",
+            f"{ov['accepted_to_results_minus_modelled_ms_p50']:.2f}",
+            f"{ov['results_to_final_ms_p50']:.2f}",
+            _cores(ov),
             "yes" if ov["meets_target"] else "NO",
         )
         console.print(t)
@@ -606,6 +747,8 @@ def render(results: dict[str, Any]) -> None:
             "tok/chunk",
             "lag p50",
             "lag p99",
+            "cut",
+            "cores w/c",
             "bad",
             "ok",
         ):
@@ -622,6 +765,8 @@ def render(results: dict[str, Any]) -> None:
                 f"{d['tokens_per_chunk_p50']:.0f}",
                 f"{d['delivery_lag_p50_ms']:.1f}",
                 f"{d['delivery_lag_p99_ms']:.1f}",
+                f"{d['truncated_streams']}/{d['streams'] * d['reps']}",
+                _cores(d),
                 str(d["bad_streams"] + d["token_mismatch_streams"]),
                 "yes" if d["meets_target"] else "NO",
             )
@@ -659,11 +804,13 @@ def summary_md(results: dict[str, Any]) -> str:
             f"## (b) Prefill path overhead (formula {ov['formula']}, batch {ov['batch_size']} x "
             f"{ov['prompt_tokens']})",
             "",
-            f"Added wall ms over the modelled {ov['modelled_ms_p50']:.0f} ms: median **{ov['added_ms_p50']:.2f}**, "
+            f"Added wall ms over the modelled {ov['modelled_ms_p50']:.0f} ms: "
+            f"median **{ov['added_ms_p50']:.2f}**, "
             f"p99 {ov['added_ms_p99']:.2f} (target <= {OVERHEAD_TARGET_MS:g} ms: "
-            f"{'met' if ov['meets_target'] else 'NOT met'}). Send to engine start "
-            f"{ov['send_to_engine_start_ms_p50']:.2f} ms, engine end to `final` "
-            f"{ov['engine_end_to_final_ms_p50']:.2f} ms (medians).",
+            f"{'met' if ov['meets_target'] else 'NOT met'}). Medians: send to `accepted` "
+            f"{ov['send_to_accepted_ms_p50']:.2f} ms, `accepted` to `results` beyond the modelled time "
+            f"{ov['accepted_to_results_minus_modelled_ms_p50']:.2f} ms, `results` to `final` "
+            f"{ov['results_to_final_ms_p50']:.2f} ms.",
             "",
         ]
     dec = results.get("decode_delivery")
@@ -695,12 +842,14 @@ class Plan:
     warmup_batches: int
     overhead_batches: int
     decode_reps: int
+    decode_budget_s: float  # wall cap per decode repetition (a slow worker is cut, not waited for)
+    new_tokens: int
     sizes: tuple[int, ...] = (1, 8, 32)
     lengths: tuple[int, ...] = (1024, 8192)
 
 
-QUICK = Plan(duration_s=1.5, warmup_batches=1, overhead_batches=15, decode_reps=1)
-FULL = Plan(duration_s=6.0, warmup_batches=3, overhead_batches=150, decode_reps=3)
+QUICK = Plan(1.5, warmup_batches=1, overhead_batches=15, decode_reps=1, decode_budget_s=6.0, new_tokens=128)
+FULL = Plan(6.0, warmup_batches=3, overhead_batches=150, decode_reps=3, decode_budget_s=20.0, new_tokens=256)
 
 
 async def run_all(
@@ -735,6 +884,7 @@ async def run_all(
                         concurrency=args.concurrency,
                         warmup_batches=plan.warmup_batches,
                         seed=args.seed,
+                        meter=CpuMeter(prefill.proc.pid),
                     ),
                 )
             if "overhead" in args.sections:
@@ -749,6 +899,7 @@ async def run_all(
                         batches=plan.overhead_batches,
                         warmup=plan.warmup_batches,
                         seed=args.seed,
+                        meter=CpuMeter(prefill.proc.pid),
                     ),
                 )
             with contextlib.suppress(Exception):
@@ -768,10 +919,12 @@ async def run_all(
                             decode.epoch,
                             streams=n,
                             input_tokens=1000,
-                            new_tokens=args.new_tokens,
+                            new_tokens=args.new_tokens or plan.new_tokens,
                             reps=plan.decode_reps,
                             chunk_interval_ms=args.chunk_interval_ms,
                             seed=0,
+                            budget_s=plan.decode_budget_s,
+                            meter=CpuMeter(decode.proc.pid),
                         )
                     )
                     console.print(f"  decode {n:>3} streams: ratio {out[-1]['ratio']:.1%}")
@@ -782,6 +935,17 @@ async def run_all(
                 results["decode_worker_status"] = _brief_status(await dc.status())
         finally:
             await dc.close()
+
+
+def _json_safe(x: Any) -> Any:
+    """NaN (an empty percentile) is not JSON; write null instead."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _brief_status(st: dict[str, Any]) -> dict[str, Any]:
@@ -815,12 +979,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=4, help="prefill batches in flight in (a)")
     p.add_argument("--overhead-formula", default="50", help="modelled prefill batch ms formula for (b)")
     p.add_argument("--decode-streams", type=lambda s: [int(x) for x in s.split(",")], default=[16, 64])
-    p.add_argument("--new-tokens", type=int, default=256, help="max_new_tokens per decode stream")
+    p.add_argument(
+        "--new-tokens", type=int, default=0, help="max_new_tokens per decode stream (256; quick 128)"
+    )
+    p.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra environment for the workers (diagnosis, e.g. PYTRITON_NO_TENSORSTORE=1)",
+    )
     p.add_argument(
         "--chunk-interval-ms", type=float, default=20.0, help="decode worker chunk interval (wall)"
     )
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
+    if any("=" not in kv for kv in args.worker_env):
+        p.error("--worker-env takes KEY=VALUE")
     unknown = args.sections - {"prefill", "overhead", "decode"}
     if unknown:
         p.error(f"unknown sections: {sorted(unknown)}")
@@ -839,6 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _sigterm)
+    worker_env = dict(kv.split("=", 1) for kv in args.worker_env)
     results: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {
@@ -848,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "concurrency": args.concurrency,
             "overhead_formula": args.overhead_formula,
             "decode_streams": args.decode_streams,
-            "new_tokens": args.new_tokens,
+            "new_tokens": args.new_tokens or plan.new_tokens,
             "chunk_interval_ms": args.chunk_interval_ms,
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -866,6 +1042,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "2000000",
             ],
             "decode_worker_args": ["--chunk-interval-ms", str(args.chunk_interval_ms)],
+            "worker_env": worker_env,
         },
     }
     specs: list[tuple[str, list[str]]] = []
@@ -877,7 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers: list[Worker] = []
     try:
         console.print(f"starting {', '.join(r for r, _ in specs)} worker(s)...")
-        workers = start_workers(specs, log_dir)
+        workers = start_workers(specs, log_dir, worker_env)
         results["workers"] = {
             w.role: {k: w.ready.get(k) for k in ("address", "epoch", "startup_s")} for w in workers
         }
@@ -893,7 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     results["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     results["wall_s"] = round(time.monotonic() - t0, 1)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out_dir / "results.json").write_text(json.dumps(_json_safe(results), indent=2, allow_nan=False) + "\n")
     (out_dir / "summary.md").write_text(summary_md(results))
     render(results)
     console.print(f"wrote {out_dir / 'results.json'} and summary.md in {results['wall_s']} s")

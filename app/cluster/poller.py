@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -124,7 +126,12 @@ class WorkerPoller:
         self.last_status = st
         if not self.is_valid():
             return
+        owed, queued, reserved = await self._load(float(st.get("time_scale", 1.0)))
         fields = {
+            "owed_ms": round(owed, 3),
+            "queued_ms": round(queued, 3),
+            "reserved_tokens": reserved,
+            "running": st.get("running", 0),
             "health": str(self.health.state),
             "role": st.get("role", ""),
             "kv_total_tokens": st.get("kv_total_tokens", 0),
@@ -142,6 +149,23 @@ class WorkerPoller:
         # which only moves when a request finishes while KV and queue change all the time.
         await self.store.write_snapshot(self.wid, epoch, int(st.get("status_seq", 0)), fields)
         await self._publish_cache(epoch, cache)
+
+    async def _load(self, time_scale: float) -> tuple[float, float, int]:
+        """What the gateway itself has put on the worker: owed ms of committed batches (aged in
+        modelled time: wall elapsed ÷ time_scale), queued ms of the hand-off queue, decode KV
+        reserved. Published in the snapshot so every replica's `cost` sees it without a query."""
+        async with self.redis.pipeline(transaction=False) as p:
+            p.get(self.keys.queued_ms(self.wid))
+            p.hget(self.keys.reservations(self.wid), "_total")
+            p.hgetall(self.keys.ledger(self.wid))
+            queued, reserved, ledger = await p.execute()
+        now = time.time() * 1000
+        owed = 0.0
+        for raw in ledger.values():
+            b = json.loads(raw)
+            elapsed = max(0.0, now - float(b.get("start_ms", now))) / max(time_scale, 1e-9)
+            owed += max(0.0, float(b.get("predicted_ms", 0.0)) - elapsed)
+        return owed, float(queued or 0.0), int(reserved or 0)
 
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:
         version = int(cache["version"])

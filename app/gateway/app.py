@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app import metrics as M
+from app.api.routes import router as api_router
 from app.cluster.registry import WorkerSpec
 from app.config import Settings
 from app.gateway.admin import router as admin_router
@@ -41,6 +42,7 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     app.state.admin_token = admin_token
     install_error_handlers(app)
     app.include_router(admin_router)
+    app.include_router(api_router)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -27,9 +27,15 @@ from app.cluster.membership import Membership
 from app.cluster.poller import WorkerPoller
 from app.cluster.registry import Registry, WorkerSpec
 from app.config import Settings
+from app.dispatch.owner import OwnerDispatcher
+from app.request.channels import NotifyListener, ReplyRouter
+from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
+from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
 from app.state.keys import Keys
 from app.state.store import StateStore
+from app.tokens.tokenizer import load_tokenizer
 
 log = logging.getLogger("flexlb.replica")
 
@@ -81,6 +87,17 @@ class Replica:
         )
         self.clients: dict[str, WorkerClient] = {}
         self.pollers: dict[str, WorkerPoller] = {}
+        self.dispatchers: dict[str, OwnerDispatcher] = {}
+        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
+        self.config_version = -1
+        self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
+        self.decode_strategy = make_decode_strategy(settings.decode_strategy)
+        self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
+        self.snapshot_time: dict[str, float] = {}
+        self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
+        self.pipeline = Pipeline(self)
+        self.notify = NotifyListener(redis_url, self.keys, self.replica_id, self.pipeline.cancel_local)
         self.redis_ok = False
         self.redis_reason = "not connected yet"
         self.cluster_epoch: str | None = None
@@ -119,9 +136,40 @@ class Replica:
             c = self.clients[wid] = WorkerClient(addr)
         return c
 
+    def _make_prefill(self, name: str) -> Any:
+        if name == "cost":
+            return make_prefill_strategy(name, formula=self.formula)
+        return make_prefill_strategy(name)
+
+    def wake_owner(self, wid: str) -> None:
+        """Origin and owner are the same replica: nothing to do beyond the XADD, which already
+        wakes the owner's blocked XREADGROUP on the same Redis."""
+        d = self.dispatchers.get(wid)
+        if d is not None:
+            d.wake.set()
+
+    async def apply_runtime_config(self) -> None:
+        """Admin changes are stored in Redis; every replica applies them when the version moves."""
+        raw = await self.redis.hgetall(self.keys.config)
+        cfg = {_s(k): _s(v) for k, v in raw.items()}
+        version = int(cfg.get("version", 0))
+        if version == self.config_version:
+            return
+        self.config_version = version
+        if "prefill_time_formula" in cfg:
+            self.formula = compile_formula(cfg["prefill_time_formula"])
+        self.prefill_strategy = self._make_prefill(
+            cfg.get("prefill_strategy", self.settings.prefill_strategy)
+        )
+        self.decode_strategy = make_decode_strategy(cfg.get("decode_strategy", self.settings.decode_strategy))
+        if version:
+            log.info("runtime config v%d applied: %s", version, cfg)
+
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
         await self._connect()
+        await self.replies.start()
+        await self.notify.start()
         if self.seed_workers:
             await self.registry.add(self.seed_workers)
         await self.refresh_registry()
@@ -157,6 +205,11 @@ class Replica:
         for p in list(self.pollers.values()):
             await p.stop()
         self.pollers.clear()
+        for d in list(self.dispatchers.values()):
+            await d.stop()
+        self.dispatchers.clear()
+        await self.replies.stop()
+        await self.notify.stop()
         await self.follower.stop()
         with contextlib.suppress(Exception):
             if drain:
@@ -203,12 +256,28 @@ class Replica:
         )
         self.pollers[wid] = poller
         poller.start()
+        if self.workers.get(wid, {}).get("role") == "prefill" and lease is not None:
+            d = OwnerDispatcher(
+                wid,
+                self.replica_id,
+                lease,
+                self.store,
+                self.client(wid),
+                self.redis_url,
+                epoch=lambda: poller.health.epoch,
+                on_worker_error=lambda w: None,
+            )
+            self.dispatchers[wid] = d
+            d.start()
 
     async def _on_lose(self, wid: str) -> None:
         self._lease_metric("owner", "lost")
         p = self.pollers.pop(wid, None)
         if p is not None:
             await p.stop()
+        d = self.dispatchers.pop(wid, None)
+        if d is not None:
+            await d.stop()
 
     async def _on_health(self, wid: str, change: HealthChange) -> None:
         M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
@@ -257,6 +326,9 @@ class Replica:
         self.snapshots = {
             wid: {_s(k): _s(v) for k, v in row.items()} for wid, row in zip(ids, rows, strict=True)
         }
+        now = time.time()
+        for wid in ids:
+            self.snapshot_time[wid] = now
         for wid, snap in self.snapshots.items():
             if "kv_free_tokens" in snap:
                 M.WORKER_KV_FREE.labels(wid).set(float(snap["kv_free_tokens"]))
@@ -268,6 +340,7 @@ class Replica:
             try:
                 await self.refresh_registry()
                 await self.refresh_snapshots()
+                await self.apply_runtime_config()
                 M.OWNED_WORKERS.set(len(self.leases.owned()))
                 M.IS_MASTER.set(1 if self.leases.is_master() else 0)
             except Exception as exc:

@@ -198,7 +198,45 @@ return 1
 """
 )
 
+# KEYS: queue STREAM, queued_ms STRING; ARGV: max_len, predicted_ms, field, value, ...
+# → {entry_id, queued_ms} | {-1, queued_ms} refused at the queue bound (429 overloaded).
+# The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
+# its snapshot is exactly what the queue holds (DESIGN §3 step 6).
+HANDOFF = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+  return {-1, redis.call('GET', KEYS[2]) or '0'}
+end
+local fields = {}
+for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
+local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+return {id, redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])}
+"""
+
+# KEYS: queue STREAM, queued_ms STRING; ARGV: predicted_ms → queued_ms after taking an entry off.
+# Never below zero: a rebuild or a lost hand-off must not leave a negative queue behind.
+TAKE = """
+local q = tonumber(redis.call('INCRBYFLOAT', KEYS[2], string.format('%.6f', -tonumber(ARGV[1]))))
+if q < 0 then redis.call('SET', KEYS[2], '0') q = 0 end
+return tostring(q)
+"""
+
+# KEYS: ledger, tombstones, queue; ARGV: batch_id, request_id, ttl, group, entry_id.
+# Settles one member and acknowledges + deletes its hand-off entry in one step: a settled entry
+# never lingers in the stream (DESIGN §5 "streams stay bounded").
+SETTLE_ACK = (
+    """
+if ARGV[5] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[4], ARGV[5])
+  redis.call('XDEL', KEYS[3], ARGV[5])
+end
+"""
+    + SETTLE
+)
+
 ALL: dict[str, str] = {
+    "handoff": HANDOFF,
+    "take": TAKE,
+    "settle_ack": SETTLE_ACK,
     "ensure_cluster_epoch": ENSURE_CLUSTER_EPOCH,
     "reserve": RESERVE,
     "release": RELEASE,

@@ -1,0 +1,455 @@
+"""Client endpoints: OpenAI-compatible completions/chat, the native generate API, request
+status and cancel. Every error is the typed model of DESIGN §8; a stream that fails after its
+first byte ends with an SSE error event, never a silent close."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from app.gateway.errors import ApiError
+from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
+from app.tokens.chat import ChatTemplateError, render_chat
+from app.tokens.detok import IncrementalDetokenizer
+
+router = APIRouter()
+
+
+def _replica(request: Request) -> Any:
+    return request.app.state.replica
+
+
+def _ids(request: Request, body_id: str | None = None) -> tuple[str, str]:
+    """(request id, trace id): client id from the body or X-Request-Id, trace from traceparent."""
+    rid = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+    if len(rid) > 128:
+        raise ApiError("invalid_request", "request id longer than 128 characters")
+    tp = request.headers.get("traceparent", "")
+    parts = tp.split("-")
+    trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
+    return rid, trace
+
+
+def _check_model(r: Any, model: str | None) -> str:
+    served = r.settings.model
+    if model is not None and model != served:
+        raise ApiError("model_not_found", f"model {model!r} is not served here (serving {served!r})")
+    return served
+
+
+def _check_limits(r: Any, n_in: int, max_new: int) -> None:
+    if n_in <= 0:
+        raise ApiError("invalid_request", "prompt is empty")
+    if max_new < 1:
+        raise ApiError("invalid_request", "max_tokens must be >= 1")
+    if max_new > r.settings.max_new_tokens_limit:
+        raise ApiError("invalid_request", f"max_tokens must be <= {r.settings.max_new_tokens_limit}")
+    if n_in + max_new > r.settings.max_context_tokens:
+        raise ApiError(
+            "invalid_request",
+            f"prompt ({n_in}) + max_tokens ({max_new}) exceeds the context ({r.settings.max_context_tokens})",
+        )
+
+
+def _timeout(r: Any, timeout_ms: int | None) -> int:
+    if timeout_ms is None:
+        return int(r.settings.default_timeout_ms)
+    if timeout_ms <= 0 or timeout_ms > 3_600_000:
+        raise ApiError("invalid_request", "timeout_ms must be in (0, 3600000]")
+    return timeout_ms
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    r = _replica(request)
+    return {
+        "object": "list",
+        "data": [{"id": r.settings.model, "object": "model", "created": 0, "owned_by": "flexlb"}],
+    }
+
+
+# ---- running a request ----------------------------------------------------------------------
+async def _collect(r: Any, req: GenRequest) -> dict[str, Any]:
+    try:
+        async for kind, payload in r.pipeline.run(req):
+            if kind == "end":
+                return payload  # type: ignore[no-any-return]
+    except StoredOutcome as so:
+        return _stored(so.outcome)
+    raise ApiError("internal", "request ended without an outcome")
+
+
+def _stored(outcome: dict[str, Any]) -> dict[str, Any]:
+    if outcome.get("state") != "completed":
+        err = outcome.get("error") or {}
+        raise ApiError(
+            err.get("code", "internal"), err.get("message", f"request ended {outcome.get('state')}")
+        )
+    return outcome
+
+
+async def _relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
+    """Run the request in its own task feeding a bounded buffer: the client's reading pace never
+    stalls the engine stream, and a client that stops reading (buffer full too long) is cancelled
+    instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
+    q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
+    stall = r.settings.sse_stall_timeout_s
+
+    async def produce() -> None:
+        try:
+            async for ev in r.pipeline.run(req):
+                await asyncio.wait_for(q.put(ev), stall)
+        except StoredOutcome as so:
+            await q.put(("stored", so.outcome))
+        except ApiError as err:
+            await q.put(("error", err))
+        except TimeoutError:
+            await q.put(("error", ApiError("cancelled", "client stopped reading")))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # pipeline already logged it
+            await q.put(("error", ApiError("internal", "internal error")))
+
+    task = asyncio.create_task(produce())
+    try:
+        while True:
+            kind, payload = await q.get()
+            yield kind, payload
+            if kind in ("end", "error", "stored"):
+                return
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def _sse_error(err: ApiError) -> bytes:
+    return _sse(err.body())
+
+
+def _usage(o: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "prompt_tokens": o["prompt_tokens"],
+        "completion_tokens": o["completion_tokens"],
+        "total_tokens": o["prompt_tokens"] + o["completion_tokens"],
+        "prompt_tokens_details": {"cached_tokens": o["cached_tokens"]},
+    }
+
+
+def _text(r: Any, ids: list[int]) -> str:
+    return str(r.tokenizer.decode(ids))
+
+
+async def _prepare(
+    request: Request,
+    r: Any,
+    ids: list[int],
+    max_new: int,
+    timeout_ms: int | None,
+    body_rid: str | None,
+    endpoint: str,
+) -> GenRequest:
+    _check_limits(r, len(ids), max_new)
+    rid, trace = _ids(request, body_rid)
+    if not r.redis_ok:
+        raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
+    return GenRequest(rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint)
+
+
+# ---- OpenAI completions ------------------------------------------------------------------------
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    r = _replica(request)
+    model = _check_model(r, body.model)
+    if body.n != 1:
+        raise ApiError("invalid_request", "only n=1 is supported")
+    if isinstance(body.prompt, str):
+        ids = r.tokenizer.encode(body.prompt)
+    elif body.prompt and all(isinstance(x, int) for x in body.prompt):
+        ids = list(body.prompt)  # type: ignore[arg-type]
+    elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
+        ids = r.tokenizer.encode(body.prompt[0])
+    else:
+        raise ApiError("invalid_request", "prompt must be a string, a list of one string, or token ids")
+    req = await _prepare(
+        request, r, ids, body.max_tokens if body.max_tokens is not None else 16, None, None, "completions"
+    )
+    cid = f"cmpl-{req.request_id}"
+    created = int(time.time())
+    if not body.stream:
+        o = await _collect(r, req)
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": _text(r, o["output_ids"]),
+                    "logprobs": None,
+                    "finish_reason": o["finish_reason"] or "length",
+                }
+            ],
+            "usage": _usage(o),
+        }
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def gen() -> AsyncIterator[bytes]:
+        detok = IncrementalDetokenizer(r.tokenizer)
+
+        def chunk(text: str, finish: str | None = None) -> bytes:
+            return _sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+                }
+            )
+
+        async for kind, payload in _relay(r, req):
+            if kind == "first":
+                yield chunk(detok.feed([payload]))
+            elif kind == "tokens":
+                t = detok.feed(payload)
+                if t:
+                    yield chunk(t)
+            elif kind in ("end", "stored"):
+                o = payload if kind == "end" else _stored_or_error(payload)
+                if isinstance(o, ApiError):
+                    yield _sse_error(o)
+                    break
+                if kind == "stored":
+                    yield chunk(_text(r, o["output_ids"]))
+                yield chunk(detok.flush(), o["finish_reason"] or "length")
+                if include_usage:
+                    yield _sse(
+                        {
+                            "id": cid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(o),
+                        }
+                    )
+            elif kind == "error":
+                yield _sse_error(payload)
+                break
+        yield b"data: [DONE]\n\n"
+
+    return await _stream_response(gen())
+
+
+def _stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
+    try:
+        return _stored(outcome)
+    except ApiError as e:
+        return e
+
+
+async def _stream_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    """Pull the first chunk before answering 200, so errors before any token (validation,
+    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event."""
+    first = await gen.__anext__()
+    if first.startswith(b'data: {"error"'):
+        err = json.loads(first[6:])["error"]
+        with contextlib.suppress(Exception):
+            await gen.aclose()
+        raise ApiError(err["code"], err["message"])
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for b in gen:
+            yield b
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+# ---- OpenAI chat -------------------------------------------------------------------------------
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(body: ChatRequest, request: Request) -> Any:
+    r = _replica(request)
+    model = _check_model(r, body.model)
+    if body.n != 1:
+        raise ApiError("invalid_request", "only n=1 is supported")
+    try:
+        text = render_chat(
+            [m.model_dump(exclude_none=True) for m in body.messages], add_generation_prompt=True
+        )
+    except ChatTemplateError as exc:
+        raise ApiError("invalid_request", str(exc)) from None
+    max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    req = await _prepare(
+        request, r, r.tokenizer.encode(text), max_new if max_new is not None else 16, None, None, "chat"
+    )
+    cid = f"chatcmpl-{req.request_id}"
+    created = int(time.time())
+    if not body.stream:
+        o = await _collect(r, req)
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": _text(r, o["output_ids"])},
+                    "finish_reason": o["finish_reason"] or "length",
+                }
+            ],
+            "usage": _usage(o),
+        }
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def gen() -> AsyncIterator[bytes]:
+        detok = IncrementalDetokenizer(r.tokenizer)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            return _sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+                }
+            )
+
+        async for kind, payload in _relay(r, req):
+            if kind == "first":
+                yield chunk({"role": "assistant", "content": detok.feed([payload])})
+            elif kind == "tokens":
+                t = detok.feed(payload)
+                if t:
+                    yield chunk({"content": t})
+            elif kind in ("end", "stored"):
+                o = payload if kind == "end" else _stored_or_error(payload)
+                if isinstance(o, ApiError):
+                    yield _sse_error(o)
+                    break
+                if kind == "stored":
+                    yield chunk({"role": "assistant", "content": _text(r, o["output_ids"])})
+                tail = detok.flush()
+                yield chunk({"content": tail} if tail else {}, o["finish_reason"] or "length")
+                if include_usage:
+                    yield _sse(
+                        {
+                            "id": cid,
+                            "object": "chat.completion.chunk",
+                            "created": created,
+                            "model": model,
+                            "choices": [],
+                            "usage": _usage(o),
+                        }
+                    )
+            elif kind == "error":
+                yield _sse_error(payload)
+                break
+        yield b"data: [DONE]\n\n"
+
+    return await _stream_response(gen())
+
+
+# ---- native ------------------------------------------------------------------------------------
+def _native(r: Any, o: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "request_id": o["request_id"],
+        "model": r.settings.model,
+        "text": _text(r, o["output_ids"]),
+        "output_ids": o["output_ids"],
+        "finish_reason": o["finish_reason"] or "length",
+        "prefill_worker": o["prefill_worker"],
+        "decode_worker": o["decode_worker"],
+        "cached_tokens": o["cached_tokens"],
+        "batch_id": o["batch_id"],
+        "batch_size": o["batch_size"],
+        "timings": o["timings"],
+        "usage": _usage(o),
+    }
+
+
+@router.post("/v1/generate", response_model=None)
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    r = _replica(request)
+    _check_model(r, body.model)
+    if (body.prompt is None) == (body.input_ids is None):
+        raise ApiError("invalid_request", "give exactly one of prompt or input_ids")
+    if body.input_ids is not None:
+        vocab = r.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in body.input_ids):
+            raise ApiError("invalid_request", f"input_ids must be in [0, {vocab})")
+        ids = list(body.input_ids)
+    else:
+        ids = r.tokenizer.encode(body.prompt or "")
+    req = await _prepare(request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate")
+    if not body.stream:
+        return _native(r, await _collect(r, req))
+
+    async def gen() -> AsyncIterator[bytes]:
+        detok = IncrementalDetokenizer(r.tokenizer)
+        async for kind, payload in _relay(r, req):
+            if kind == "first":
+                yield _sse(
+                    {"request_id": req.request_id, "token_ids": [payload], "text": detok.feed([payload])}
+                )
+            elif kind == "tokens":
+                yield _sse({"request_id": req.request_id, "token_ids": payload, "text": detok.feed(payload)})
+            elif kind in ("end", "stored"):
+                o = payload if kind == "end" else _stored_or_error(payload)
+                if isinstance(o, ApiError):
+                    yield _sse_error(o)
+                    break
+                yield _sse({**_native(r, o), "text_tail": detok.flush(), "done": True})
+            elif kind == "error":
+                yield _sse_error(payload)
+                break
+        yield b"data: [DONE]\n\n"
+
+    return await _stream_response(gen())
+
+
+# ---- request status and cancel -----------------------------------------------------------------
+@router.get("/v1/requests/{request_id}")
+async def get_request(request_id: str, request: Request) -> dict[str, Any]:
+    r = _replica(request)
+    rec = await r.store.get_request(request_id)
+    if rec is None:
+        raise ApiError("not_found", f"unknown request {request_id!r}")
+    return {"request_id": request_id, **rec}
+
+
+@router.delete("/v1/requests/{request_id}")
+async def cancel_request(request_id: str, request: Request) -> JSONResponse:
+    """Cancel from any replica: the origin runs the clean-up (it holds the request's task)."""
+    r = _replica(request)
+    rec = await r.store.get_request(request_id)
+    if rec is None:
+        raise ApiError("not_found", f"unknown request {request_id!r}")
+    if rec.get("state") in TERMINAL:
+        return JSONResponse({"request_id": request_id, "state": rec["state"], "cancelled": False})
+    origin = rec.get("origin", "")
+    if origin == r.replica_id:
+        r.pipeline.cancel_local(request_id)
+    else:
+        await r.redis.publish(r.keys.notify(origin), f"cancel:{request_id}")
+    return JSONResponse(
+        {"request_id": request_id, "state": rec.get("state"), "cancelled": True}, status_code=202
+    )

@@ -1,0 +1,188 @@
+"""The owner's side of the prefill path for one worker: consume the worker's hand-off queue,
+commit each batch to the fenced ledger, dispatch it over gRPC, and return every result to its
+origin's reply stream, settling and acknowledging as results arrive (settle on reply, DESIGN §7).
+
+Here every request is its own batch (schedule mode `direct`); the batching work puts the
+batcher's decisions between `_read` and `_dispatch` without changing either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from app.cluster.leases import Lease
+from app.rpc.worker_client import WorkerClient, WorkerUnavailable
+from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.store import FencedOut, StateStore
+
+log = logging.getLogger("flexlb.owner")
+
+
+@dataclass
+class QueueItem:
+    entry_id: str
+    request_id: str
+    origin: str
+    tokens: Any
+    predicted_ms: float
+    deadline_ms: float  # wall ms since the epoch; 0 = none
+    trace_id: str = ""
+
+
+def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
+    return QueueItem(
+        entry_id=s(entry_id),
+        request_id=s(f[b"rid"]),
+        origin=s(f[b"origin"]),
+        tokens=unpack_tokens(f[b"ids"]),
+        predicted_ms=float(f.get(b"pred", b"0")),
+        deadline_ms=float(f.get(b"deadline", b"0")),
+        trace_id=s(f.get(b"trace", b"")),
+    )
+
+
+class OwnerDispatcher:
+    def __init__(
+        self,
+        wid: str,
+        replica_id: str,
+        lease: Lease,
+        store: StateStore,
+        client: WorkerClient,
+        redis_url: str,
+        *,
+        epoch: Callable[[], str],
+        on_worker_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self.wid = wid
+        self.replica_id = replica_id
+        self.lease = lease
+        self.store = store
+        self.handoff = Handoff(store)
+        self.client = client
+        self.epoch = epoch
+        self.on_worker_error = on_worker_error
+        # Blocking stream reads get their own connection (DESIGN §5).
+        self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
+        self._task: asyncio.Task[None] | None = None
+        self._inflight: set[asyncio.Task[None]] = set()
+        self.wake = asyncio.Event()  # set by a local origin: skip the rest of the block
+        self.dispatched = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"owner:{self.wid}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        for t in list(self._inflight):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await self._reader.aclose()
+
+    async def _run(self) -> None:
+        await self.handoff.ensure_group(self.wid)
+        key = self.store.keys.queue(self.wid)
+        while self.lease.is_valid():
+            try:
+                self.store.commands_total += 1
+                res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=64, block=100)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis hiccup or the group vanished (Redis rebuilt)
+                log.warning("owner %s read failed: %s", self.wid, exc)
+                await asyncio.sleep(0.2)
+                with contextlib.suppress(Exception):
+                    await self.handoff.ensure_group(self.wid)
+                continue
+            for _stream, entries in res or []:
+                for entry_id, fields in entries:
+                    if not self.lease.is_valid():
+                        return  # a lapsed owner stops acting; the entry stays pending for the next
+                    item = parse_item(entry_id, fields)
+                    t = asyncio.create_task(self._dispatch([item]))
+                    self._inflight.add(t)
+                    t.add_done_callback(self._inflight.discard)
+
+    async def _dispatch(self, items: list[QueueItem]) -> None:
+        batch_id = f"b-{uuid.uuid4().hex[:16]}"
+        predicted = sum(i.predicted_ms for i in items)
+        epoch = self.epoch()
+        by_id = {i.request_id: i for i in items}
+        try:
+            kept = await self.store.commit_batch(
+                self.wid,
+                batch_id,
+                list(by_id),
+                predicted,
+                time.time() * 1000,
+                self.lease.fence,
+                self.replica_id,
+                epoch=epoch,
+            )
+            for i in items:
+                await self.handoff.take(self.wid, i.predicted_ms)
+        except FencedOut:
+            log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
+            return
+        for rid in set(by_id) - set(kept):  # cancelled while queued: tombstoned before the commit
+            await self._reply(
+                by_id[rid], batch_id, {"status": "cancelled", "error": "cancelled while queued"}
+            )
+        live = [by_id[r] for r in kept]
+        if not live:
+            return
+        self.dispatched += 1
+        deadline = max((i.deadline_ms for i in live), default=0.0)
+        timeout = max(1.0, (deadline - time.time() * 1000) / 1000) if deadline else None
+        answered: set[str] = set()
+        try:
+            async for ev in self.client.prefill(
+                batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout
+            ):
+                if ev.event == "results":
+                    for r in ev.results:
+                        item = by_id.get(r["request_id"])
+                        if item is None:
+                            continue
+                        answered.add(item.request_id)
+                        await self._reply(item, batch_id, {**r, "epoch": ev.epoch, "worker": self.wid})
+                elif ev.event == "error":
+                    code = "epoch_mismatch" if ev.error.startswith("epoch_mismatch") else "worker_error"
+                    for item in live:
+                        if item.request_id not in answered:
+                            answered.add(item.request_id)
+                            await self._reply(item, batch_id, {"status": code, "error": ev.error})
+        except (WorkerUnavailable, TimeoutError) as exc:
+            if self.on_worker_error is not None:
+                self.on_worker_error(self.wid)
+            for item in live:
+                if item.request_id not in answered:
+                    answered.add(item.request_id)
+                    await self._reply(item, batch_id, {"status": "worker_error", "error": str(exc)[:300]})
+        finally:
+            for item in live:
+                if item.request_id not in answered:
+                    with contextlib.suppress(Exception):
+                        await self._reply(item, batch_id, {"status": "worker_error", "error": "no result"})
+
+    async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
+        fields = {
+            "rid": item.request_id,
+            "batch_id": batch_id,
+            "worker": self.wid,
+            **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
+        }
+        await self.handoff.reply(item.origin, fields)
+        await self.handoff.settle_ack(self.wid, batch_id, item.request_id, item.entry_id)

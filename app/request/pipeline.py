@@ -1,0 +1,395 @@
+"""The origin's request path (DESIGN §3): record → route → reserve decode KV → hand off the
+prefill to the worker's owner → wait for its reply → stream decode → finish.
+
+Every exit path runs one clean-up that is safe to repeat: tombstone or cancel whatever is still
+running on an engine, release the decode reservation, write exactly one terminal lifecycle state.
+So a request either completes or ends with a typed error, and nothing stays held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from app.gateway.errors import ApiError
+from app.protocol.blocks import block_keys, hit_blocks_cap
+from app.rpc.worker_client import WorkerUnavailable
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView
+from app.state.handoff import Handoff, pack_tokens
+from app.state.store import _REQUEST_RESERVED, _flatten
+
+if TYPE_CHECKING:
+    from app.gateway.replica import Replica
+
+log = logging.getLogger("flexlb.request")
+
+TERMINAL = {"completed", "failed", "cancelled", "timed_out", "owner_lost"}
+ENGINE_TO_API = {
+    "cancelled": "cancelled",
+    "too_long": "invalid_request",
+    "invalid_request": "invalid_request",
+    "duplicate": "duplicate_request",
+}
+
+
+@dataclass
+class GenRequest:
+    request_id: str
+    input_ids: list[int]
+    max_new_tokens: int
+    timeout_ms: int
+    trace_id: str = ""
+    endpoint: str = "generate"
+
+
+@dataclass
+class Progress:
+    """What the clean-up needs to know about how far the request got."""
+
+    stage: str = "new"  # new | recorded | reserved | handed_off | prefilled | decoding | done
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    batch_id: str = ""
+    batch_size: int = 1
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    t0: float = 0.0
+    t_handoff: float = 0.0
+    t_first: float = 0.0
+    prefill_ms: float = 0.0
+    queue_ms: float = 0.0
+
+
+class StoredOutcome(Exception):
+    """The request id already finished: the stored outcome is the answer (idempotent retry)."""
+
+    def __init__(self, outcome: dict[str, Any]) -> None:
+        super().__init__("stored outcome")
+        self.outcome = outcome
+
+
+class Pipeline:
+    def __init__(self, replica: Replica) -> None:
+        self.r = replica
+        self.handoff = Handoff(replica.store)
+        self.rng = random.Random()
+        self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
+
+    # ---- routing inputs ------------------------------------------------------------------
+    def views(self, role: str) -> list[WorkerView]:
+        r = self.r
+        out = []
+        ids = r.prefill_ids() if role == "prefill" else r.decode_ids()
+        for wid in ids:
+            snap = r.snapshots.get(wid, {})
+            info = r.workers.get(wid, {})
+            queued = float(snap.get("queued_ms", 0.0) or 0.0)
+            ov = r.queued_overlay.get(wid)
+            if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
+                queued = ov[0]
+            out.append(
+                WorkerView(
+                    id=wid,
+                    role=role,
+                    up=snap.get("health") == "up",
+                    kv_total_tokens=int(float(snap.get("kv_total_tokens", 0) or 0)),
+                    kv_free_tokens=int(float(snap.get("kv_free_tokens", 0) or 0)),
+                    kv_evictable_tokens=int(float(snap.get("kv_evictable_tokens", 0) or 0)),
+                    queue_len=int(float(snap.get("queue_len", 0) or 0)),
+                    queued_ms=queued,
+                    owed_ms=float(snap.get("owed_ms", 0.0) or 0.0),
+                    reserved_tokens=int(float(snap.get("reserved_tokens", 0) or 0)),
+                    running=int(float(snap.get("running", 0) or 0)),
+                    draining=info.get("state") == "draining",
+                )
+            )
+        return out
+
+    def block_size(self) -> int:
+        for wid in self.r.prefill_ids():
+            bs = self.r.snapshots.get(wid, {}).get("block_size")
+            if bs:
+                return int(float(bs))
+        return 64
+
+    # ---- the request ---------------------------------------------------------------------
+    async def run(self, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
+        """Yields ("first", token), ("tokens", [ids]) and finally ("end", outcome)."""
+        r = self.r
+        if not r.redis_ok:
+            raise ApiError(
+                "state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1
+            )
+        p = Progress(t0=time.perf_counter())
+        rid = req.request_id
+        task = asyncio.current_task()
+        if task is not None:
+            self.live[rid] = task
+        try:
+            await self._record(req, p)
+            async with asyncio.timeout(req.timeout_ms / 1000):
+                async for ev in self._execute(req, p):
+                    yield ev
+            outcome = self._outcome(req, p, "completed")
+            await self._finish(req, p, "completed", outcome)
+            yield ("end", outcome)
+        except StoredOutcome:
+            raise
+        except asyncio.CancelledError:
+            await self._abort(req, p, "cancelled", ApiError("cancelled", "request cancelled"))
+            raise
+        except TimeoutError:
+            err = ApiError("deadline_exceeded", f"request exceeded timeout_ms={req.timeout_ms}")
+            await self._abort(req, p, "timed_out", err)
+            raise err from None
+        except ApiError as err:
+            if p.stage != "new":
+                await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
+            raise
+        except GeneratorExit:  # the consumer went away (client disconnect)
+            await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
+            raise
+        except Exception as exc:
+            log.exception("request %s failed", rid, extra={"request_id": rid, "trace_id": req.trace_id})
+            err = ApiError("internal", "internal error")
+            await self._abort(req, p, "failed", err)
+            raise err from exc
+        finally:
+            if self.live.get(rid) is task:
+                del self.live[rid]
+            r.replies.forget(rid)
+
+    async def _record(self, req: GenRequest, p: Progress) -> None:
+        """One round trip: the lifecycle record (refused when the id exists) and this origin's
+        live-set entry, which the master uses to reap our requests if we die."""
+        r = self.r
+        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
+        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
+        async with r.redis.pipeline(transaction=False) as pipe:
+            pipe.sadd(r.keys.origin_requests(r.replica_id), req.request_id)
+            pipe.evalsha(r.store._scripts["create_request"].sha, 1, r.keys.request(req.request_id), *args)
+            _, created = await pipe.execute()
+        r.store.commands_total += 2
+        if int(created) != 1:
+            rec = await r.store.get_request(req.request_id)
+            if rec is None or rec.get("origin") != r.replica_id:
+                await r.redis.srem(r.keys.origin_requests(r.replica_id), req.request_id)
+            if rec is not None and rec.get("state") in TERMINAL:
+                raise StoredOutcome(rec.get("outcome") or {"state": rec.get("state")})
+            raise ApiError("duplicate_request", f"request {req.request_id!r} is still running")
+        p.stage = "recorded"
+        self._log("queued", req, p)
+
+    async def _execute(self, req: GenRequest, p: Progress) -> AsyncIterator[tuple[str, Any]]:
+        r = self.r
+        rid = req.request_id
+        n_in = len(req.input_ids)
+        # decode first: reserve KV on the chosen worker (DESIGN §3 step 5)
+        try:
+            if req.max_new_tokens > 1:
+                dq = DecodeQuery(n_in, req.max_new_tokens)
+                dchoice = r.decode_strategy.choose(dq, self.views("decode"), self.rng)
+                p.decode_worker = dchoice.worker_id
+                cap = int(float(r.snapshots.get(p.decode_worker, {}).get("kv_total_tokens", 0) or 0))
+                if not await r.store.reserve(p.decode_worker, rid, n_in + req.max_new_tokens, cap):
+                    raise ApiError(
+                        "overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1
+                    )
+                p.stage = "reserved"
+            bs = self.block_size()
+            keys = block_keys(req.input_ids, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
+            now_ms = time.time() * 1000
+            pviews = self.views("prefill")
+            hits = r.mirror.match(keys, [v.id for v in pviews], now_ms)
+            pchoice = r.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), pviews, self.rng)
+        except NoWorker as exc:
+            raise ApiError(
+                "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
+            ) from None
+        for attempt in range(2):
+            reply = await self._prefill(req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs)
+            first = int(reply["first_token"])
+            if attempt == 0:
+                p.output_ids.append(first)
+                yield ("first", first)
+            if req.max_new_tokens == 1:
+                p.finish_reason = "length"
+                return
+            reason = ""
+            async for ev in self._decode(req, p, reply):
+                if isinstance(ev, str):
+                    reason = ev
+                else:
+                    yield ("tokens", ev)
+            if reason == "kv_expired" and attempt == 0:
+                log.info("kv handle expired; re-running prefill once", extra={"request_id": rid})
+                continue
+            if reason != "length":
+                raise ApiError("worker_error", f"decode ended: {reason}")
+            p.finish_reason = "length"
+            return
+
+    async def _prefill(
+        self, req: GenRequest, p: Progress, wid: str, predicted: float, keys: list[int], bs: int
+    ) -> dict[str, str]:
+        r = self.r
+        rid = req.request_id
+        p.prefill_worker = wid
+        fut = r.replies.expect(rid)
+        deadline = time.time() * 1000 + req.timeout_ms
+        fields = {
+            "rid": rid,
+            "origin": r.replica_id,
+            "ids": pack_tokens(req.input_ids),
+            "pred": f"{predicted:.3f}",
+            "deadline": f"{deadline:.0f}",
+            "trace": req.trace_id,
+        }
+        p.t_handoff = time.perf_counter()
+        entry, queued = await self.handoff.append(wid, fields, predicted, r.settings.max_queue_len)
+        if entry is None:
+            r.replies.forget(rid)
+            raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)
+        p.stage = "handed_off"
+        r.queued_overlay[wid] = (queued, time.time())
+        n_cap = hit_blocks_cap(len(req.input_ids), bs)
+        r.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
+        r.wake_owner(wid)
+        reply = await fut
+        status = reply.get("status", "")
+        if status != "ok":
+            code = ENGINE_TO_API.get(status, "worker_error")
+            raise ApiError(code, f"prefill on {wid} ended {status}: {reply.get('error', '')}".strip())
+        p.stage = "prefilled"
+        p.t_first = time.perf_counter()
+        p.batch_id = reply.get("batch_id", "")
+        p.cached_tokens = int(float(reply.get("cached_tokens", 0)))
+        p.prefill_ms = float(reply.get("end_ms", 0)) - float(reply.get("start_ms", 0))
+        p.queue_ms = max(0.0, (p.t_first - p.t_handoff) * 1000 - p.prefill_ms)
+        self._log("prefilled", req, p)
+        return reply
+
+    async def _decode(self, req: GenRequest, p: Progress, reply: dict[str, str]) -> AsyncIterator[Any]:
+        r = self.r
+        dec = p.decode_worker
+        snap = r.snapshots.get(dec, {})
+        p.stage = "decoding"
+        pre_addr = r.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
+        try:
+            async for ev in r.client(dec).decode(
+                req.request_id,
+                snap.get("epoch", ""),
+                len(req.input_ids),
+                req.max_new_tokens - 1,
+                kv_worker=pre_addr,
+                kv_epoch=reply.get("epoch", ""),
+                timeout=req.timeout_ms / 1000,
+            ):
+                if ev.event == "tokens":
+                    p.output_ids.extend(ev.tokens)
+                    yield ev.tokens
+                else:
+                    yield ev.finish_reason
+                    return
+        except WorkerUnavailable as exc:
+            raise ApiError("worker_error", f"decode worker {dec} failed: {str(exc)[:200]}") from None
+
+    # ---- endings -------------------------------------------------------------------------
+    def _outcome(
+        self, req: GenRequest, p: Progress, state: str, err: ApiError | None = None
+    ) -> dict[str, Any]:
+        total_ms = (time.perf_counter() - p.t0) * 1000
+        out: dict[str, Any] = {
+            "state": state,
+            "request_id": req.request_id,
+            "output_ids": p.output_ids,
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(p.output_ids),
+            "cached_tokens": p.cached_tokens,
+            "prefill_worker": p.prefill_worker,
+            "decode_worker": p.decode_worker if req.max_new_tokens > 1 else "",
+            "batch_id": p.batch_id,
+            "batch_size": p.batch_size,
+            "finish_reason": p.finish_reason,
+            "timings": {
+                "queue_ms": round(p.queue_ms, 3),
+                "prefill_ms": round(p.prefill_ms, 3),
+                "first_token_ms": round((p.t_first - p.t0) * 1000, 3) if p.t_first else None,
+                "total_ms": round(total_ms, 3),
+            },
+        }
+        if err is not None:
+            out["error"] = err.body()["error"]
+        return out
+
+    async def _finish(self, req: GenRequest, p: Progress, state: str, outcome: dict[str, Any]) -> None:
+        r = self.r
+        async with r.redis.pipeline(transaction=False) as pipe:
+            if p.decode_worker and p.stage != "new":
+                r.store.commands_total += 1
+                pipe.evalsha(
+                    r.store._scripts["release"].sha, 1, r.keys.reservations(p.decode_worker), req.request_id
+                )
+            pipe.srem(r.keys.origin_requests(r.replica_id), req.request_id)
+            await pipe.execute()
+        r.store.commands_total += 1
+        await r.store.transition(
+            req.request_id,
+            state,
+            {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker},
+            outcome=outcome,
+        )
+        p.stage = "done"
+        self._log(state, req, p)
+
+    async def _abort(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
+        """Clean-up on every failure path; shielded so a second cancel cannot cut it short."""
+        if p.stage in ("new", "done"):
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._abort_inner(req, p, state, err))
+
+    async def _abort_inner(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
+        r = self.r
+        rid = req.request_id
+        if p.stage == "handed_off" and p.prefill_worker:
+            # Queued: the tombstone makes the owner's commit drop it. Dispatched: the engine cancels.
+            with contextlib.suppress(Exception):
+                await r.store.tombstone(p.prefill_worker, rid, 60_000)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+        if p.stage == "decoding" and p.decode_worker:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.client(p.decode_worker).cancel(rid), 2.0)
+        if p.stage == "prefilled" and p.prefill_worker:  # KV pinned on prefill, decode never fetched it
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+        await self._finish(req, p, state, self._outcome(req, p, state, err))
+
+    def cancel_local(self, request_id: str) -> bool:
+        task = self.live.get(request_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        return True
+
+    def _log(self, event: str, req: GenRequest, p: Progress) -> None:
+        log.info(
+            json.dumps(
+                {"event": event, "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
+            ),
+            extra={
+                "request_id": req.request_id,
+                "trace_id": req.trace_id,
+                "batch_id": p.batch_id,
+                "event": event,
+            },
+        )

@@ -1,0 +1,345 @@
+"""Routing: the interface every prefill and decode strategy implements, and their registry.
+
+Strategies are pure functions of their inputs (DESIGN §7, §11): they read a snapshot of the workers
+(`WorkerView`, what this replica knows from the owners' snapshots and its cache mirror) and a query,
+and return a `Choice`. No I/O, no wall clock, no asyncio and no global random state: every random
+decision draws from the `random.Random` the caller passes in. The gateway calls them per request, and
+the discrete-event simulator calls the very same code with its own seeded generator, so a simulated
+run is reproducible and studies the router that production runs.
+
+Determinism contract: the same query, the same worker sequence (order included), the same strategy
+state (only `round_robin` has any) and the same `rng` state give the same `Choice` and leave `rng` in
+the same state. Ties are broken over the tied workers sorted by id, so for `cost`, `prefix`,
+`least_load` and `kv_headroom` the choice depends on the set of workers, not on the order a snapshot
+happened to list them in; `random` draws over the eligible workers in the given order.
+
+Cost: each `choose` is one pass over the workers plus work proportional to the eligible and tied
+ones, with no sorting of the whole fleet, because the simulator routes over 1,000 workers per request.
+`top_candidates` shrinks the field further for it (see there).
+
+A new strategy is one module under `app/scheduling/strategies/` plus one line in a registry below.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.protocol.blocks import hit_blocks_cap
+
+__all__ = [
+    "DECODE",
+    "DECODE_STRATEGIES",
+    "DEFAULT_DECODE_STRATEGY",
+    "DEFAULT_PREFILL_STRATEGY",
+    "PREFILL",
+    "PREFILL_STRATEGIES",
+    "Choice",
+    "DecodeQuery",
+    "DecodeStrategy",
+    "NoWorker",
+    "PrefillQuery",
+    "PrefillStrategy",
+    "WorkerView",
+    "check_hotspot_queue_len",
+    "eligible_decode",
+    "eligible_prefill",
+    "make_decode_strategy",
+    "make_prefill_strategy",
+    "pick_tied",
+    "prefill_load",
+    "top_candidates",
+]
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What a replica knows about one worker, taken from the owner's latest snapshot.
+
+    Frozen so a strategy can never change the snapshot it was handed; slotted because the simulator
+    holds thousands of them and rebuilds them as loads change.
+    """
+
+    id: str
+    role: str
+    up: bool = True
+    kv_total_tokens: int = 0
+    kv_free_tokens: int = 0
+    kv_evictable_tokens: int = 0
+    # prefill: batches queued on the engine + items waiting in the hand-off queue
+    queue_len: int = 0
+    # prefill: predicted ms of what waits (overlaid with the hand-off script's answer)
+    queued_ms: float = 0.0
+    # prefill: predicted ms left of committed batches
+    owed_ms: float = 0.0
+    # decode: KV reserved by routed-but-unfinished requests
+    reserved_tokens: int = 0
+    # decode: running sequences
+    running: int = 0
+    draining: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillQuery:
+    """One prompt to place: its length and, per worker id, how many of its leading full blocks that
+    worker holds according to this replica's cache mirror (absent means none)."""
+
+    input_tokens: int
+    hit_blocks: Mapping[str, int]
+    block_size: int
+
+    def __post_init__(self) -> None:
+        # Checked once here so strategies can do block arithmetic without guards on the hot path.
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.input_tokens < 0:
+            raise ValueError(f"input_tokens must be >= 0, got {self.input_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeQuery:
+    """One request to place on a decode worker: it will hold at most input + max_new tokens of KV."""
+
+    input_tokens: int
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.input_tokens < 0 or self.max_new_tokens < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got input {self.input_tokens}, max_new {self.max_new_tokens}"
+            )
+
+    @property
+    def need_tokens(self) -> int:
+        """KV the request may grow to; a decode worker must be able to hold all of it."""
+        return self.input_tokens + self.max_new_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A routing decision plus what the caller needs next without recomputing it.
+
+    ``hit_tokens`` is the cached prefix the chosen prefill worker is expected to reuse (metrics, and
+    the batcher's prediction); ``predicted_ms`` is the prefill alone, which the hand-off script adds
+    to the worker's queued time (0 when the strategy has no formula); ``score`` is what the strategy
+    ranked by (cost in ms, load in ms, headroom in tokens, ...); ``reason`` is a short fixed label
+    (never free text with numbers) so it can be a metric label.
+    """
+
+    worker_id: str
+    hit_tokens: int = 0
+    predicted_ms: float = 0.0
+    score: float = 0.0
+    reason: str = ""
+
+
+class NoWorker(Exception):
+    """No worker may take the request. ``reason`` says which hard filter emptied the field, because
+    "none live" and "none big enough" call for different operator action (the gateway maps both to a
+    typed 503 ``no_worker``)."""
+
+    reason: str
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+class PrefillStrategy(Protocol):
+    name: str
+
+    def choose(self, q: PrefillQuery, workers: Sequence[WorkerView], rng: random.Random) -> Choice: ...
+
+
+class DecodeStrategy(Protocol):
+    name: str
+
+    def choose(self, q: DecodeQuery, workers: Sequence[WorkerView], rng: random.Random) -> Choice: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared pieces. One implementation of the hard filters, so every strategy (and the simulator's
+# pre-filter) agrees on which workers may take a request; strategies only differ in how they rank.
+
+
+def check_hotspot_queue_len(value: int | None) -> int | None:
+    """Validate the hotspot knob once at construction: a negative bound would silently make every
+    worker a hotspot and every request a NoWorker."""
+    if value is not None and value < 0:
+        raise ValueError(f"hotspot_queue_len must be >= 0 or None, got {value}")
+    return value
+
+
+def prefill_load(w: WorkerView) -> float:
+    """Predicted ms before a new prefill on ``w`` could start: committed work left plus what waits."""
+    return w.owed_ms + w.queued_ms
+
+
+def eligible_prefill(
+    q: PrefillQuery, workers: Sequence[WorkerView], hotspot_queue_len: int | None = None
+) -> tuple[list[WorkerView], list[int]]:
+    """The prefill workers that may take ``q``, and the hit tokens each would reuse.
+
+    Hard filters, in order: role prefill, up and not draining; KV can hold the prompt (its total is at
+    least L, and free + evictable cover the L − h tokens it must compute); not a hotspot (queue_len
+    above ``hotspot_queue_len``, when set). A hit counts full blocks only and at most
+    ``hit_blocks_cap`` of them, so a fully cached prompt still computes its last block and never looks
+    free. Raises NoWorker naming the filter that removed the last candidate.
+    """
+    size = q.input_tokens
+    block = q.block_size
+    cap = hit_blocks_cap(size, block)
+    hits = q.hit_blocks
+    out: list[WorkerView] = []
+    out_hits: list[int] = []
+    live = fits = 0
+    for w in workers:
+        if not w.up or w.draining or w.role != PREFILL:
+            continue
+        live += 1
+        blocks = hits.get(w.id, 0) if hits else 0
+        hit = (blocks if blocks < cap else cap) * block if blocks > 0 else 0
+        if w.kv_total_tokens < size or w.kv_free_tokens + w.kv_evictable_tokens < size - hit:
+            continue
+        fits += 1
+        if hotspot_queue_len is not None and w.queue_len > hotspot_queue_len:
+            continue
+        out.append(w)
+        out_hits.append(hit)
+    if not out:
+        if live == 0:
+            raise NoWorker("no live prefill worker")
+        if fits == 0:
+            raise NoWorker(f"no worker can hold {size} tokens")
+        raise NoWorker(f"every prefill worker that fits is a hotspot (queue_len > {hotspot_queue_len})")
+    return out, out_hits
+
+
+def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list[WorkerView], list[int]]:
+    """The decode workers that may take ``q``, and each one's headroom (kv_free − reserved tokens).
+
+    Every decode strategy fits the request first: a decode worker that runs out of KV mid-stream must
+    preempt or fail, which costs far more than any balancing gain. Raises NoWorker.
+    """
+    need = q.input_tokens + q.max_new_tokens
+    out: list[WorkerView] = []
+    heads: list[int] = []
+    live = 0
+    for w in workers:
+        if not w.up or w.draining or w.role != DECODE:
+            continue
+        live += 1
+        head = w.kv_free_tokens - w.reserved_tokens
+        if head >= need:
+            out.append(w)
+            heads.append(head)
+    if not out:
+        if live == 0:
+            raise NoWorker("no live decode worker")
+        raise NoWorker(f"no decode worker has KV headroom for {need} tokens")
+    return out, heads
+
+
+def pick_tied(tied: list[int], ws: Sequence[WorkerView], rng: random.Random) -> int:
+    """Index of one of the tied workers ``ws[i] for i in tied``, drawn with ``rng``.
+
+    Sorting the (usually tiny) tie set by id makes the draw independent of snapshot order; a single
+    candidate consumes no randomness, so adding workers that never tie does not shift a seeded run.
+    """
+    if len(tied) == 1:
+        return tied[0]
+    tied.sort(key=lambda i: ws[i].id)
+    return tied[rng.randrange(len(tied))]
+
+
+def top_candidates(
+    q: PrefillQuery, workers: Sequence[WorkerView], k: int, hotspot_queue_len: int | None = None
+) -> list[WorkerView]:
+    """Shrink a large fleet to the workers a load/cache-aware prefill strategy could pick.
+
+    Keeps every eligible worker that would reuse at least one cached block, plus the ``k`` eligible
+    workers without a hit that carry the least load (ties by id), in their original order. For the
+    simulator with 1,000 workers: pre-filter once, then call ``choose`` on the result.
+
+    Why it is safe: a worker without a hit costs ``predict_ms(L, 0) + load``, the same prefill for
+    all of them, so the cheapest non-holder is the least loaded one and, for any ``k >= 1``, ``cost``,
+    ``prefix`` and ``least_load`` find the same best score on the result as on the whole fleet (given
+    the same ``hotspot_queue_len``). What it loses is breadth: near-ties among non-holders are cut to
+    ``k``, and ``round_robin``/``random`` see only the kept workers. Raises NoWorker as
+    ``eligible_prefill`` does.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    ws, hits = eligible_prefill(q, workers, hotspot_queue_len)
+    keep = [i for i, h in enumerate(hits) if h > 0]
+    rest = [i for i, h in enumerate(hits) if h == 0]
+    if len(rest) > k:
+        rest = heapq.nsmallest(k, rest, key=lambda i: (prefill_load(ws[i]), ws[i].id))
+    if not keep:
+        chosen = rest
+    elif not rest:
+        chosen = keep
+    else:
+        chosen = keep + rest
+    chosen.sort()
+    return [ws[i] for i in chosen]
+
+
+# --------------------------------------------------------------------------------------------------
+# Registry. The strategy modules import the types above from this module, so these imports must come
+# after them; `app.scheduling.strategies` imports this module first to keep that order whichever
+# module a caller imports first.
+
+from app.scheduling.strategies.cost import CostStrategy  # noqa: E402
+from app.scheduling.strategies.kv_headroom import KvHeadroomStrategy  # noqa: E402
+from app.scheduling.strategies.least_load import DecodeLeastLoad, PrefillLeastLoad  # noqa: E402
+from app.scheduling.strategies.prefix import PrefixStrategy  # noqa: E402
+from app.scheduling.strategies.random_pick import DecodeRandom, PrefillRandom  # noqa: E402
+from app.scheduling.strategies.round_robin import DecodeRoundRobin, PrefillRoundRobin  # noqa: E402
+
+PREFILL_STRATEGIES: dict[str, Callable[..., PrefillStrategy]] = {
+    "cost": CostStrategy,
+    "least_load": PrefillLeastLoad,
+    "round_robin": PrefillRoundRobin,
+    "random": PrefillRandom,
+    "prefix": PrefixStrategy,
+}
+DECODE_STRATEGIES: dict[str, Callable[..., DecodeStrategy]] = {
+    "kv_headroom": KvHeadroomStrategy,
+    "least_load": DecodeLeastLoad,
+    "round_robin": DecodeRoundRobin,
+    "random": DecodeRandom,
+}
+DEFAULT_PREFILL_STRATEGY = "cost"
+DEFAULT_DECODE_STRATEGY = "kv_headroom"
+
+
+def make_prefill_strategy(name: str, **kw: object) -> PrefillStrategy:
+    """Build a prefill strategy by its configured name.
+
+    Every prefill strategy accepts ``formula`` (required by ``cost``; the others use it only to fill
+    ``Choice.predicted_ms`` for the hand-off) and ``hotspot_queue_len``, so a caller can pass the same
+    keywords whatever strategy is configured. An unknown name is a ValueError listing the known ones;
+    an unknown keyword is the constructor's TypeError.
+    """
+    factory = PREFILL_STRATEGIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown prefill strategy {name!r}; known: {', '.join(sorted(PREFILL_STRATEGIES))}")
+    return factory(**kw)
+
+
+def make_decode_strategy(name: str, **kw: object) -> DecodeStrategy:
+    """Build a decode strategy by its configured name; unknown names are a ValueError listing the known."""
+    factory = DECODE_STRATEGIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown decode strategy {name!r}; known: {', '.join(sorted(DECODE_STRATEGIES))}")
+    return factory(**kw)

@@ -1,0 +1,81 @@
+"""The prefill hand-off in Redis: each worker's queue stream (origins append, the owner consumes
+through the `owner` consumer group) and each replica's reply stream (owners append results, the
+origin reads them). Token ids cross Redis once, packed as little-endian int32, never as JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from app.state.keys import Keys
+from app.state.store import StateStore
+
+GROUP = "owner"
+REPLY_MAXLEN = 10_000
+
+
+def pack_tokens(ids: Any) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def unpack_tokens(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class Handoff:
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.redis: aioredis.Redis = store.redis
+        self.keys: Keys = store.keys
+
+    async def append(
+        self, wid: str, fields: Mapping[str, Any], predicted_ms: float, max_len: int
+    ) -> tuple[str | None, float]:
+        """Hand a request to the worker's owner; (entry id or None when the queue is full, the
+        worker's queued predicted ms after this call)."""
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v]
+        res = await self.store._run(
+            "handoff",
+            [self.keys.queue(wid), self.keys.queued_ms(wid)],
+            [max_len, f"{predicted_ms:.6f}", *flat],
+        )
+        entry = s(res[0])
+        return (None if entry == "-1" else entry), float(s(res[1]))
+
+    async def ensure_group(self, wid: str) -> None:
+        """The owners' consumer group; created from the stream's start so nothing queued before
+        an owner existed is skipped."""
+        self.store.commands_total += 1
+        try:
+            await self.redis.xgroup_create(self.keys.queue(wid), GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def take(self, wid: str, predicted_ms: float) -> float:
+        res = await self.store._run(
+            "take", [self.keys.queue(wid), self.keys.queued_ms(wid)], [f"{predicted_ms:.6f}"]
+        )
+        return float(s(res))
+
+    async def settle_ack(self, wid: str, batch_id: str, request_id: str, entry_id: str) -> bool:
+        res = await self.store._run(
+            "settle_ack",
+            [self.keys.ledger(wid), self.keys.tombstones(wid), self.keys.queue(wid)],
+            [batch_id, request_id, self.store.settled_batch_ttl_ms, GROUP, entry_id],
+        )
+        return int(res) == 1
+
+    async def reply(self, origin: str, fields: Mapping[str, Any]) -> None:
+        self.store.commands_total += 1
+        await self.redis.xadd(self.keys.replies(origin), dict(fields), maxlen=REPLY_MAXLEN, approximate=True)
