@@ -62,6 +62,10 @@ def worker(
     kv_handle_ttl_ms: Annotated[
         float, typer.Option(help="modelled ms a prefilled KV waits for decode")
     ] = 30000.0,
+    transport: Annotated[
+        str,
+        typer.Option(envvar="FLEXLB_WORKER_TRANSPORT", help="PyTriton tensor transport: base64 or shm"),
+    ] = "base64",
     fault_error_rate: Annotated[float, typer.Option(help="fault: per-request error probability")] = 0.0,
     fault_extra_latency_ms: Annotated[float, typer.Option(help="fault: extra modelled ms per batch")] = 0.0,
     fault_hang: Annotated[bool, typer.Option(help="fault: stop making progress and answering")] = False,
@@ -99,7 +103,13 @@ def worker(
             }
         ),
     )
-    raise typer.Exit(run_worker(cfg, http_port=http_port, metrics_port=metrics_port, bind_address=bind))
+    if transport not in ("base64", "shm"):
+        raise typer.BadParameter("base64 or shm", param_hint="--transport")
+    raise typer.Exit(
+        run_worker(
+            cfg, http_port=http_port, metrics_port=metrics_port, bind_address=bind, shm=transport == "shm"
+        )
+    )
 
 
 @app.command()

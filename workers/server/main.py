@@ -21,11 +21,22 @@ log = logging.getLogger("flexlb.worker")
 
 
 def run_worker(
-    cfg: WorkerConfig, *, http_port: int = 0, metrics_port: int = 0, bind_address: str = "127.0.0.1"
+    cfg: WorkerConfig,
+    *,
+    http_port: int = 0,
+    metrics_port: int = 0,
+    bind_address: str = "127.0.0.1",
+    shm: bool = False,
 ) -> int:
+    """`shm` selects PyTriton's shared-memory tensor store: cheaper for large prompts, but far
+    fewer events per second than the default base64 transport (see docs/worker-protocol.md)."""
     t0 = time.monotonic()
     host = TritonHost(
-        grpc_port=cfg.grpc_port, http_port=http_port, metrics_port=metrics_port, address=bind_address
+        grpc_port=cfg.grpc_port,
+        http_port=http_port,
+        metrics_port=metrics_port,
+        address=bind_address,
+        tensorstore=shm,
     )
     cfg.grpc_port = host.grpc_port
     svc = WorkerService(cfg, stopping=host.stopping)

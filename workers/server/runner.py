@@ -49,11 +49,13 @@ class EngineRunner:
         time_scale: float = 1.0,
         tick_ms: float | None = None,
         on_effects: Callable[[list[Any]], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.time_scale = time_scale
         self.tick_ms = tick_ms  # wall ms between forced advances (decode chunk coalescing)
         self.on_effects = on_effects
+        self.on_tick = on_tick  # after every wake-up (decode flushes coalesced chunks here)
         self._wall0 = time.monotonic()
         self._model0 = 0.0
         self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any]] | None] = queue.SimpleQueue()
@@ -129,6 +131,11 @@ class EngineRunner:
                     fut.set_result(fn())
                 except BaseException as exc:  # delivered to the awaiting infer function
                     fut.set_exception(exc)
+            if self.on_tick is not None:
+                try:
+                    self.on_tick()
+                except Exception:
+                    log.exception("engine tick hook failed")
 
     def _wait_s(self) -> float | None:
         nt = self.core.next_event_time()

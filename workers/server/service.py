@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
@@ -64,6 +65,7 @@ class WorkerConfig:
     tokenizer: str = "byte"
     chunk_interval_ms: float = 20.0  # wall ms between decode chunks of one stream
     kv_handle_ttl_ms: float = 30_000.0
+    max_events_per_s: float = 400.0  # decode chunk budget of the whole worker (see stream_interval_s)
     stream_idle_timeout_s: float = 600.0  # end a stream whose engine work produced nothing this long
     faults: Faults = field(default_factory=Faults)
 
@@ -85,12 +87,24 @@ class WorkerService:
             time_scale=cfg.time_scale,
             tick_ms=cfg.chunk_interval_ms if cfg.role == "decode" else None,
             on_effects=self._route,
+            on_tick=self.flush_due_chunks if cfg.role == "decode" else None,
         )
         self.stopping = stopping or threading.Event()  # set when Triton stops: streams end at once
         self._subs: dict[str, list[Subscriber]] = {}
         self._peer_clients: dict[str, Any] = {}
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
-        self._status_seq = 0  # strictly increasing per answered status: pollers' only-newer-wins key
+        self._status_seq = 0
+        # What configure last applied (reset restores the start-up values): later configure calls
+        # change only what they name.
+        self.current: dict[str, Any] = {
+            "profile": cfg.profile,
+            "formula": cfg.formula,
+            "kv_capacity_tokens": cfg.kv_capacity_tokens,
+        }
+        self._chunk_buf: dict[str, list[DecodeChunk]] = {}
+        self._last_flush: dict[
+            str, float
+        ] = {}  # strictly increasing per answered status: pollers' only-newer-wins key
 
     # ---- set-up ---------------------------------------------------------------------------
     @property
@@ -128,9 +142,10 @@ class WorkerService:
                 for s in self._subs.pop(e.batch_id, []):
                     s.push(("final", None))
             elif isinstance(e, DecodeChunk):
-                for s in self._subs.get(e.request_id, []):
-                    s.push(("tokens", e))
+                self._chunk_buf.setdefault(e.request_id, []).append(e)
             elif isinstance(e, DecodeFinished):
+                self._flush_chunks(e.request_id)
+                self._last_flush.pop(e.request_id, None)
                 for s in self._subs.pop(e.request_id, []):
                     s.push(("finish", e))
             elif isinstance(e, KvReleased):
@@ -140,6 +155,43 @@ class WorkerService:
                 _hard_exit()
         for bid in list(pending):
             self._flush_results(pending, bid)
+        if self._chunk_buf:
+            self.flush_due_chunks()
+
+    def stream_interval_s(self) -> float:
+        """Per-stream chunk interval: the configured one, stretched when many streams run so the
+        whole worker stays under `max_events_per_s` (one PyTriton instance delivers ~1K events/s;
+        beyond that tokens queue up and arrive late instead of arriving in bigger chunks)."""
+        base = (self.runner.tick_ms or self.cfg.chunk_interval_ms) / 1000
+        return max(base, len(self._last_flush) / self.cfg.max_events_per_s)
+
+    def flush_due_chunks(self) -> None:
+        """Engine thread: hand each stream its buffered tokens once its interval has passed."""
+        now = time.monotonic()
+        interval = self.stream_interval_s()
+        for rid in list(self._chunk_buf):
+            last = self._last_flush.setdefault(rid, 0.0)
+            if now - last >= interval:
+                self._flush_chunks(rid)
+                self._last_flush[rid] = now
+
+    def _flush_chunks(self, rid: str) -> None:
+        chunks = self._chunk_buf.pop(rid, None)
+        if not chunks:
+            return
+        merged = (
+            chunks[0]
+            if len(chunks) == 1
+            else DecodeChunk(
+                rid,
+                chunks[0].first_index,
+                [t for c in chunks for t in c.tokens],
+                chunks[0].t_first_ms,
+                chunks[-1].t_last_ms,
+            )
+        )
+        for s in self._subs.get(rid, []):
+            s.push(("tokens", merged))
 
     def _flush_results(self, pending: dict[str, list[PrefillResult]], batch_id: str) -> None:
         results = pending.pop(batch_id, None)
@@ -244,7 +296,9 @@ class WorkerService:
             self._subs.setdefault(batch_id, []).append(sub)
             if past:
                 sub.push(("results", past))
-            return core.submit(batch_id, reqs, now).queue_position, None
+            out = core.submit(batch_id, reqs, now)
+            self._route(out.effects)
+            return out.queue_position, None
         self._subs.setdefault(batch_id, []).append(sub)
         out = core.submit(batch_id, reqs, now)
         self._route(out.effects)
@@ -359,8 +413,24 @@ class WorkerService:
         return self.core
 
     def _submit_decode(self, dreq: DecodeRequest, sub: Subscriber) -> None:
+        core = self._core_d()
+        if dreq.request_id in core._seqs:
+            # Answer only the newcomer: the live stream with this id keeps its subscribers.
+            sub.push(
+                (
+                    "finish",
+                    DecodeFinished(
+                        dreq.request_id,
+                        EngineStatus.DUPLICATE,
+                        0,
+                        self.runner.model_now(),
+                        "request id already live on this engine",
+                    ),
+                )
+            )
+            return
         self._subs.setdefault(dreq.request_id, []).append(sub)
-        self._route(self._core_d().submit(dreq, self.runner.model_now()))
+        self._route(core.submit(dreq, self.runner.model_now()))
 
     async def _release_remote(self, rid: str, addr: str, kv_epoch: str) -> str:
         from app.rpc.worker_client import WorkerClient
@@ -440,7 +510,7 @@ class WorkerService:
             "now_ms": now,
             "block_size": self.cfg.block_size,
             "time_scale": self.runner.time_scale,
-            "profile": self.cfg.profile,
+            "profile": self.current["profile"],
             "lag_ms": self.runner.lag_ms,
             "max_lag_ms": self.runner.max_lag_ms,
             **core.kv_view(),
@@ -522,11 +592,15 @@ class WorkerService:
         if bad:
             raise ControlError(f"unknown configure option(s): {sorted(bad)}")
         profile = None
+        new_current = dict(self.current)
         if "profile" in body or "formula" in body or "kv_capacity_tokens" in body:
-            name = body.get("profile", "formula" if "formula" in body else self.cfg.profile)
-            profile = self._profile(
-                name, body.get("formula", self.cfg.formula), body.get("kv_capacity_tokens")
-            )
+            cap = body.get("kv_capacity_tokens", self.current["kv_capacity_tokens"])
+            if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap <= 0):
+                raise ControlError("kv_capacity_tokens must be a positive integer")
+            name = body.get("profile", "formula" if "formula" in body else self.current["profile"])
+            formula = body.get("formula", self.current["formula"])
+            profile = self._profile(name, formula, cap)
+            new_current = {"profile": name, "formula": formula, "kv_capacity_tokens": cap}
         faults = Faults.from_dict(body["faults"]) if "faults" in body else None
         scale = body.get("time_scale")
         if scale is not None and not (isinstance(scale, int | float) and 0 < scale <= 1000):
@@ -550,6 +624,7 @@ class WorkerService:
             if isinstance(self.core, PrefillEngine):
                 kw["kv_handle_ttl_ms"] = ttl
             self._route(self.core.configure(now, **kw))
+            self.current = new_current
             return {"ok": True}
 
         return await self.runner.call(apply)
@@ -558,6 +633,11 @@ class WorkerService:
         now = self.runner.model_now()
         self._route(self.core.reset(now))
         self.profile = self._profile(self.cfg.profile, self.cfg.formula, self.cfg.kv_capacity_tokens)
+        self.current = {
+            "profile": self.cfg.profile,
+            "formula": self.cfg.formula,
+            "kv_capacity_tokens": self.cfg.kv_capacity_tokens,
+        }
         kw: dict[str, Any] = {
             "profile": self.profile,
             "kv_capacity_tokens": self.profile.kv_capacity_tokens,
