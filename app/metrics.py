@@ -56,3 +56,62 @@ def remove_worker_series(worker: str) -> None:
             g.remove(worker)
     with contextlib.suppress(KeyError):
         WORKER_EPOCH_CHANGES.remove(worker)
+
+
+_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ORIGIN_OVERHEAD = Histogram(
+    "flexlb_origin_overhead_seconds",
+    "Origin scheduling work: request arrival to hand-off appended",
+    buckets=_FAST,
+    registry=REGISTRY,
+)
+HANDOFF_LATENCY = Histogram(
+    "flexlb_handoff_latency_seconds",
+    "Hand-off appended to the owner writing the gRPC prefill request",
+    buckets=_FAST,
+    registry=REGISTRY,
+)
+TTFT = Histogram(
+    "flexlb_ttft_seconds", "Time to first token seen by the gateway", buckets=_SLOW, registry=REGISTRY
+)
+E2E = Histogram("flexlb_e2e_seconds", "Request arrival to last token", buckets=_SLOW, registry=REGISTRY)
+TPOT = Histogram(
+    "flexlb_tpot_seconds", "Mean time per output token after the first", buckets=_FAST, registry=REGISTRY
+)
+REQUESTS = Counter(
+    "flexlb_requests_total",
+    "Finished requests by endpoint and outcome code",
+    ["endpoint", "code"],
+    registry=REGISTRY,
+)
+for _ep in ("completions", "chat", "generate"):
+    for _code in (
+        "ok",
+        "cancelled",
+        "deadline_exceeded",
+        "worker_error",
+        "overloaded",
+        "no_worker",
+        "state_unavailable",
+        "invalid_request",
+        "internal",
+        "duplicate_request",
+    ):
+        REQUESTS.labels(_ep, _code)
+
+
+class SampleRing:
+    """Last N samples of a latency, for exact percentiles in benchmarks (histograms bucket them)."""
+
+    def __init__(self, n: int = 20_000) -> None:
+        self.n = n
+        self.values: list[float] = []
+
+    def add(self, v: float) -> None:
+        self.values.append(v)
+        if len(self.values) > self.n:
+            del self.values[: len(self.values) - self.n]
+
+
+SAMPLES: dict[str, SampleRing] = {"origin_overhead_s": SampleRing(), "handoff_latency_s": SampleRing()}

@@ -19,6 +19,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from app import metrics as M
 from app.cluster.leases import Lease
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.state.handoff import GROUP, Handoff, s, unpack_tokens
@@ -36,6 +37,7 @@ class QueueItem:
     predicted_ms: float
     deadline_ms: float  # wall ms since the epoch; 0 = none
     trace_id: str = ""
+    t_handoff: float = 0.0  # wall s when the origin appended it
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -47,6 +49,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         predicted_ms=float(f.get(b"pred", b"0")),
         deadline_ms=float(f.get(b"deadline", b"0")),
         trace_id=s(f.get(b"trace", b"")),
+        t_handoff=float(f.get(b"t", b"0")),
     )
 
 
@@ -147,6 +150,11 @@ class OwnerDispatcher:
         deadline = max((i.deadline_ms for i in live), default=0.0)
         timeout = max(1.0, (deadline - time.time() * 1000) / 1000) if deadline else None
         answered: set[str] = set()
+        now = time.time()
+        for i in live:
+            if i.t_handoff:
+                M.HANDOFF_LATENCY.observe(max(0.0, now - i.t_handoff))
+                M.SAMPLES["handoff_latency_s"].add(max(0.0, now - i.t_handoff))
         try:
             async for ev in self.client.prefill(
                 batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout

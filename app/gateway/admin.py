@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from app import metrics as M
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
 from app.gateway.errors import ApiError
@@ -140,6 +141,17 @@ async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
         "blocks": len(keys),
         "match": r.mirror.match(keys, r.prefill_ids(), now_ms),
     }
+
+
+@router.get("/stats")
+async def stats(request: Request, reset: bool = False) -> dict[str, Any]:
+    """Raw latency samples and Redis command count, for benchmarks (exact percentiles)."""
+    r = _replica(request)
+    out = {name: list(ring.values) for name, ring in M.SAMPLES.items()}
+    if reset:
+        for ring in M.SAMPLES.values():
+            ring.values.clear()
+    return {"replica": r.replica_id, "redis_commands_total": r.store.commands_total, "samples": out}
 
 
 @router.get("/config")

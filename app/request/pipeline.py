@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
@@ -140,6 +141,7 @@ class Pipeline:
                     yield ev
             outcome = self._outcome(req, p, "completed")
             await self._finish(req, p, "completed", outcome)
+            self._observe(req, p, "ok")
             yield ("end", outcome)
         except StoredOutcome:
             raise
@@ -252,6 +254,7 @@ class Pipeline:
             "pred": f"{predicted:.3f}",
             "deadline": f"{deadline:.0f}",
             "trace": req.trace_id,
+            "t": f"{time.time():.6f}",
         }
         p.t_handoff = time.perf_counter()
         entry, queued = await self.handoff.append(wid, fields, predicted, r.settings.max_queue_len)
@@ -259,6 +262,9 @@ class Pipeline:
             r.replies.forget(rid)
             raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)
         p.stage = "handed_off"
+        overhead = time.perf_counter() - p.t0
+        M.ORIGIN_OVERHEAD.observe(overhead)
+        M.SAMPLES["origin_overhead_s"].add(overhead)
         r.queued_overlay[wid] = (queued, time.time())
         n_cap = hit_blocks_cap(len(req.input_ids), bs)
         r.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
@@ -350,8 +356,20 @@ class Pipeline:
         p.stage = "done"
         self._log(state, req, p)
 
+    def _observe(self, req: GenRequest, p: Progress, code: str) -> None:
+        M.REQUESTS.labels(req.endpoint, code).inc()
+        if code != "ok":
+            return
+        end = time.perf_counter()
+        if p.t_first:
+            M.TTFT.observe(p.t_first - p.t0)
+            if len(p.output_ids) > 1:
+                M.TPOT.observe((end - p.t_first) / (len(p.output_ids) - 1))
+        M.E2E.observe(end - p.t0)
+
     async def _abort(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
         """Clean-up on every failure path; shielded so a second cancel cannot cut it short."""
+        self._observe(req, p, err.code)
         if p.stage in ("new", "done"):
             return
         with contextlib.suppress(Exception):

@@ -22,8 +22,9 @@ A new strategy is one module under `app/scheduling/strategies/` plus one line in
 
 from __future__ import annotations
 
-import heapq
+import math
 import random
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -56,6 +57,9 @@ __all__ = [
 
 PREFILL = "prefill"
 DECODE = "decode"
+
+# Stands in for "no hotspot bound", so the hot loop compares an int instead of testing for None.
+_NO_LIMIT = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,28 +203,38 @@ def eligible_prefill(
     block = q.block_size
     cap = hit_blocks_cap(size, block)
     hits = q.hit_blocks
+    get = hits.get if hits else None
+    hot = _NO_LIMIT if hotspot_queue_len is None else hotspot_queue_len
+    role = PREFILL
     out: list[WorkerView] = []
     out_hits: list[int] = []
-    live = fits = 0
+    keep = out.append
+    keep_hit = out_hits.append
+    # The hot loop: one pass, locals only, no per-worker allocation beyond the two appends.
     for w in workers:
-        if not w.up or w.draining or w.role != PREFILL:
+        if not w.up or w.draining or w.role != role:
             continue
-        live += 1
-        blocks = hits.get(w.id, 0) if hits else 0
+        blocks = get(w.id, 0) if get is not None else 0
         hit = (blocks if blocks < cap else cap) * block if blocks > 0 else 0
         if w.kv_total_tokens < size or w.kv_free_tokens + w.kv_evictable_tokens < size - hit:
             continue
-        fits += 1
-        if hotspot_queue_len is not None and w.queue_len > hotspot_queue_len:
+        if w.queue_len > hot:
             continue
-        out.append(w)
-        out_hits.append(hit)
+        keep(w)
+        keep_hit(hit)
     if not out:
-        if live == 0:
+        # Rare path: find out which filter emptied the field, so the error says why.
+        live = [w for w in workers if w.up and not w.draining and w.role == role]
+        if not live:
             raise NoWorker("no live prefill worker")
-        if fits == 0:
-            raise NoWorker(f"no worker can hold {size} tokens")
-        raise NoWorker(f"every prefill worker that fits is a hotspot (queue_len > {hotspot_queue_len})")
+        for w in live:
+            blocks = get(w.id, 0) if get is not None else 0
+            hit = (blocks if blocks < cap else cap) * block if blocks > 0 else 0
+            if w.kv_total_tokens >= size and w.kv_free_tokens + w.kv_evictable_tokens >= size - hit:
+                raise NoWorker(
+                    f"every prefill worker that fits is a hotspot (queue_len > {hotspot_queue_len})"
+                )
+        raise NoWorker(f"no worker can hold {size} tokens")
     return out, out_hits
 
 
@@ -267,8 +281,15 @@ def top_candidates(
     """Shrink a large fleet to the workers a load/cache-aware prefill strategy could pick.
 
     Keeps every eligible worker that would reuse at least one cached block, plus the ``k`` eligible
-    workers without a hit that carry the least load (ties by id), in their original order. For the
-    simulator with 1,000 workers: pre-filter once, then call ``choose`` on the result.
+    workers without a hit that carry the least load (ties by id), in their original order.
+
+    For the simulator with 1,000 workers. One call is O(n), about as costly as one ``choose`` over
+    the whole fleet (~0.4 ms at 1,000 workers on this project's machines), while ``choose`` over the
+    ~k + holders kept costs ~15 us; so the saving comes from reuse: compute the least-loaded pool once
+    per load change or simulated tick with a query that has no hits (``hit_blocks={}``), then per
+    request call ``choose`` on that pool plus the workers named in the request's ``hit_blocks``.
+    ``choose`` re-applies every hard filter, so a stale pool may pick a worse worker, never an
+    ineligible one; on NoWorker from the pool, retry over the whole fleet.
 
     Why it is safe: a worker without a hit costs ``predict_ms(L, 0) + load``, the same prefill for
     all of them, so the cheapest non-holder is the least loaded one and, for any ``k >= 1``, ``cost``,
@@ -277,19 +298,26 @@ def top_candidates(
     ``k``, and ``round_robin``/``random`` see only the kept workers. Raises NoWorker as
     ``eligible_prefill`` does.
     """
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    if k < 1:
+        # With no least-loaded worker kept, a prompt nobody caches would have no candidate at all.
+        raise ValueError(f"k must be >= 1, got {k}")
     ws, hits = eligible_prefill(q, workers, hotspot_queue_len)
-    keep = [i for i, h in enumerate(hits) if h > 0]
-    rest = [i for i, h in enumerate(hits) if h == 0]
-    if len(rest) > k:
-        rest = heapq.nsmallest(k, rest, key=lambda i: (prefill_load(ws[i]), ws[i].id))
-    if not keep:
-        chosen = rest
-    elif not rest:
-        chosen = keep
-    else:
-        chosen = keep + rest
+    holders = [i for i, h in enumerate(hits) if h > 0]
+    if len(ws) - len(holders) <= k:
+        return ws
+    # Holders are kept anyway: give them an infinite load so they never take one of the k places.
+    inf = math.inf
+    loads = [w.owed_ms + w.queued_ms if h <= 0 else inf for w, h in zip(ws, hits, strict=True)]
+    # The k-th smallest load by a C-level sort of floats, rather than a heap with a Python key per
+    # worker (finite: more than k non-holders remain); ties at the threshold are settled by id so the
+    # result does not depend on list order.
+    threshold = sorted(loads)[k - 1]
+    kept = [i for i, load in enumerate(loads) if load <= threshold]
+    if len(kept) > k:
+        below = [i for i in kept if loads[i] < threshold]
+        at = sorted((i for i in kept if loads[i] == threshold), key=lambda i: ws[i].id)
+        kept = below + at[: k - len(below)]
+    chosen = holders + kept
     chosen.sort()
     return [ws[i] for i in chosen]
 

@@ -50,13 +50,14 @@ def message_text(message: Any, index: int) -> tuple[str, str]:
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise ChatTemplateError(f"messages[{index}].role must be one of {', '.join(ROLES)}; got {role!r}")
-    if "content" not in message:
-        raise ChatTemplateError(f"messages[{index}] ({role}) has no content")
-    content = message["content"]
+    content = message.get("content")
     if content is None:
-        # OpenAI allows a null content on assistant turns that only carry tool calls.
+        # OpenAI allows a null (or, after `exclude_none`, absent) content on assistant turns that
+        # only carry tool calls.
         if role == "assistant":
             return role, ""
+        if "content" not in message:
+            raise ChatTemplateError(f"messages[{index}] ({role}) has no content")
         raise ChatTemplateError(f"messages[{index}].content must not be null for role {role!r}")
     if isinstance(content, str):
         return role, content
@@ -84,7 +85,7 @@ def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bo
     """Render `messages` (OpenAI chat format) with the prefix-stable ChatML template.
 
     Roles: system, user, assistant, tool. Content: a string, a list of `{"type": "text", "text":
-    ...}` parts, or null on an assistant turn. Other keys (name, tool_call_id, tool_calls) are
+    ...}` parts, or null/absent on an assistant turn. Other keys (name, tool_call_id, tool_calls) are
     accepted and not rendered. An empty list renders as "" (so the prefix property holds from n=0);
     the API layer decides whether an empty conversation is a valid request.
     """
