@@ -115,3 +115,29 @@ class SampleRing:
 
 
 SAMPLES: dict[str, SampleRing] = {"origin_overhead_s": SampleRing(), "handoff_latency_s": SampleRing()}
+
+BATCH_FLUSHES = Counter(
+    "flexlb_batch_flushes_total", "Prefill batches dispatched by flush reason", ["reason"], registry=REGISTRY
+)
+for _r in ("idle", "full", "timeout", "predict_threshold", "deadline", "direct"):
+    BATCH_FLUSHES.labels(_r)
+BATCH_FAILED = Counter(
+    "flexlb_batch_refused_total",
+    "Items the batcher failed (never fit, SLO passed)",
+    ["code"],
+    registry=REGISTRY,
+)
+for _c in ("too_long", "deadline_exceeded"):
+    BATCH_FAILED.labels(_c)
+BATCH_SIZE = Histogram(
+    "flexlb_batch_size",
+    "Requests per dispatched prefill batch",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+    registry=REGISTRY,
+)
+BATCH_WAIT = Histogram(
+    "flexlb_batch_wait_seconds",
+    "Time an item waited in the owner's batcher",
+    buckets=_FAST,
+    registry=REGISTRY,
+)

@@ -22,6 +22,8 @@ import redis.asyncio as aioredis
 from app import metrics as M
 from app.cluster.leases import Lease
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
+from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.handoff import GROUP, Handoff, s, unpack_tokens
 from app.state.store import FencedOut, StateStore
 
@@ -38,6 +40,7 @@ class QueueItem:
     deadline_ms: float  # wall ms since the epoch; 0 = none
     trace_id: str = ""
     t_handoff: float = 0.0  # wall s when the origin appended it
+    hit_tokens: int = 0  # the origin's expectation from its cache mirror
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -50,6 +53,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         deadline_ms=float(f.get(b"deadline", b"0")),
         trace_id=s(f.get(b"trace", b"")),
         t_handoff=float(f.get(b"t", b"0")),
+        hit_tokens=int(f.get(b"hit", b"0")),
     )
 
 
@@ -64,6 +68,9 @@ class OwnerDispatcher:
         redis_url: str,
         *,
         epoch: Callable[[], str],
+        config: Callable[[], BatcherConfig] = BatcherConfig,
+        formula: Callable[[], Formula] | None = None,
+        time_scale: Callable[[], float] = lambda: 1.0,
         on_worker_error: Callable[[str], None] | None = None,
     ) -> None:
         self.wid = wid
@@ -73,34 +80,53 @@ class OwnerDispatcher:
         self.handoff = Handoff(store)
         self.client = client
         self.epoch = epoch
+        self.config = config
+        self.formula = formula or (lambda: compile_formula(DEFAULT_PREFILL_FORMULA))
+        self.time_scale = time_scale
         self.on_worker_error = on_worker_error
         # Blocking stream reads get their own connection (DESIGN §5).
         self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
-        self.wake = asyncio.Event()  # set by a local origin: skip the rest of the block
+        self.wake = asyncio.Event()  # new items, a finished batch, a config change
+        self._cfg_seen: BatcherConfig | None = None
+        self.batcher = Batcher(self._scaled_config(), self._predict)
         self.dispatched = 0
+        self._batch_sizes: dict[str, int] = {}
+
+    def _scaled_config(self) -> BatcherConfig:
+        cfg = self.config()
+        self._cfg_seen = cfg
+        return cfg.scaled(self.time_scale())
+
+    def _predict(self, items: Any) -> float:
+        """Batch time in wall ms (the batcher's clock): modelled ms × the worker's time scale."""
+        return self.formula().predict_batch(items) * self.time_scale()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"owner:{self.wid}")
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name=f"owner-read:{self.wid}"),
+            asyncio.create_task(self._decide_loop(), name=f"owner-batch:{self.wid}"),
+        ]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await t
         for t in list(self._inflight):
             t.cancel()
         with contextlib.suppress(Exception):
             await self._reader.aclose()
 
-    async def _run(self) -> None:
+    async def _read_loop(self) -> None:
         await self.handoff.ensure_group(self.wid)
         key = self.store.keys.queue(self.wid)
         while self.lease.is_valid():
             try:
                 self.store.commands_total += 1
-                res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=64, block=100)
+                res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis hiccup or the group vanished (Redis rebuilt)
@@ -109,20 +135,62 @@ class OwnerDispatcher:
                 with contextlib.suppress(Exception):
                     await self.handoff.ensure_group(self.wid)
                 continue
+            now = time.time() * 1000
             for _stream, entries in res or []:
                 for entry_id, fields in entries:
-                    if not self.lease.is_valid():
-                        return  # a lapsed owner stops acting; the entry stays pending for the next
                     item = parse_item(entry_id, fields)
-                    t = asyncio.create_task(self._dispatch([item]))
-                    self._inflight.add(t)
-                    t.add_done_callback(self._inflight.discard)
+                    self.batcher.add(
+                        Pending(
+                            item.request_id,
+                            len(item.tokens),
+                            item.hit_tokens,
+                            now,
+                            item.predicted_ms * self.time_scale(),
+                            item,
+                        )
+                    )
+                    self.wake.set()
 
-    async def _dispatch(self, items: list[QueueItem]) -> None:
+    async def _decide_loop(self) -> None:
+        while True:
+            if not self.lease.is_valid():
+                return  # a lapsed owner stops acting; entries stay pending for the next owner
+            if self.config() is not self._cfg_seen:
+                self.batcher.config = self._scaled_config()
+            d = self.batcher.decide(time.time() * 1000)
+            for p, code in d.failed:
+                item: QueueItem = p.payload  # type: ignore[assignment]
+                M.BATCH_FAILED.labels(code).inc()
+                await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
+            if d.items:
+                self.batcher.batch_started()
+                M.BATCH_FLUSHES.labels(d.reason).inc()
+                M.BATCH_SIZE.observe(len(d.items))
+                now = time.time() * 1000
+                for p in d.items:
+                    M.BATCH_WAIT.observe(max(0.0, now - p.arrival_ms) / 1000)
+                t = asyncio.create_task(self._dispatch([p.payload for p in d.items], d.reason))  # type: ignore[misc]
+                self._inflight.add(t)
+                t.add_done_callback(self._batch_done)
+                continue
+            timeout = None
+            if d.wake_at_ms is not None:
+                timeout = max(0.0, d.wake_at_ms - time.time() * 1000) / 1000
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout if timeout is not None else 0.5)
+
+    def _batch_done(self, t: asyncio.Task[None]) -> None:
+        self._inflight.discard(t)
+        self.batcher.batch_finished()
+        self.wake.set()
+
+    async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
         predicted = sum(i.predicted_ms for i in items)
         epoch = self.epoch()
         by_id = {i.request_id: i for i in items}
+        self._batch_sizes[batch_id] = len(items)
         try:
             kept = await self.store.commit_batch(
                 self.wid,
@@ -184,11 +252,13 @@ class OwnerDispatcher:
                 if item.request_id not in answered:
                     with contextlib.suppress(Exception):
                         await self._reply(item, batch_id, {"status": "worker_error", "error": "no result"})
+            self._batch_sizes.pop(batch_id, None)
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
         fields = {
             "rid": item.request_id,
             "batch_id": batch_id,
+            "batch_size": str(self._batch_sizes.get(batch_id, 1)),
             "worker": self.wid,
             **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
         }

@@ -15,7 +15,7 @@ from app import metrics as M
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
 from app.gateway.errors import ApiError
-from app.gateway.replica import Replica
+from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
 
@@ -53,6 +53,14 @@ class ConfigPatch(BaseModel):
     prefill_strategy: str | None = None
     decode_strategy: str | None = None
     prefill_time_formula: str | None = None
+    schedule_mode: str | None = None
+    batch_algorithm: str | None = None
+    batch_max_size: int | None = None
+    batch_wait_ms: float | None = None
+    max_inflight_batches: int | None = None
+    predict_threshold_ms: float | None = None
+    max_batch_tokens: int | None = None
+    slo_ttft_ms: float | None = None
 
 
 @router.get("/workers")
@@ -177,6 +185,11 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
         except FormulaError as exc:
             raise ApiError("invalid_request", f"prefill_time_formula: {exc}") from exc
     r = _replica(request)
+    current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
+    try:
+        batcher_config_from({**current, **{k: str(v) for k, v in patch.items()}})
+    except (ValueError, TypeError) as exc:
+        raise ApiError("invalid_request", f"batcher: {exc}") from exc
     async with r.redis.pipeline(transaction=True) as p:
         p.hset(r.keys.config, mapping=patch)
         p.hincrby(r.keys.config, "version", 1)

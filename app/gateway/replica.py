@@ -31,6 +31,7 @@ from app.dispatch.owner import OwnerDispatcher
 from app.request.channels import NotifyListener, ReplyRouter
 from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
 from app.state.keys import Keys
@@ -91,6 +92,7 @@ class Replica:
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
+        self.batcher_config = BatcherConfig()
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = make_decode_strategy(settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
@@ -137,9 +139,9 @@ class Replica:
         return c
 
     def _make_prefill(self, name: str) -> Any:
-        if name == "cost":
-            return make_prefill_strategy(name, formula=self.formula)
-        return make_prefill_strategy(name)
+        """Every prefill strategy gets the formula, so its choice carries the predicted ms that the
+        hand-off adds to the worker's queued time, whatever the strategy."""
+        return make_prefill_strategy(name, formula=self.formula)
 
     def wake_owner(self, wid: str) -> None:
         """Origin and owner are the same replica: nothing to do beyond the XADD, which already
@@ -420,6 +422,29 @@ class Replica:
                     n += 1
             await self.redis.srem(self.keys.origin_requests(dead), rid)
         return n
+
+
+BATCHER_KEYS = {
+    "schedule_mode": ("mode", str),
+    "batch_algorithm": ("algorithm", str),
+    "batch_max_size": ("max_size", int),
+    "batch_wait_ms": ("wait_ms", float),
+    "max_inflight_batches": ("max_inflight_batches", int),
+    "predict_threshold_ms": ("predict_threshold_ms", float),
+    "max_batch_tokens": ("max_batch_tokens", int),
+    "slo_ttft_ms": ("slo_ttft_ms", float),
+}
+
+
+def batcher_config_from(cfg: dict[str, str]) -> BatcherConfig:
+    """The runtime config's batcher knobs over the defaults (validated; raises ValueError)."""
+    kw: dict[str, Any] = {}
+    for key, (name, typ) in BATCHER_KEYS.items():
+        if key in cfg:
+            kw[name] = typ(cfg[key])
+    bc = BatcherConfig(**kw)
+    bc.validate()
+    return bc
 
 
 def _s(x: bytes | str) -> str:

@@ -217,7 +217,9 @@ class Pipeline:
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
             ) from None
         for attempt in range(2):
-            reply = await self._prefill(req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs)
+            reply = await self._prefill(
+                req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
+            )
             first = int(reply["first_token"])
             if attempt == 0:
                 p.output_ids.append(first)
@@ -240,7 +242,14 @@ class Pipeline:
             return
 
     async def _prefill(
-        self, req: GenRequest, p: Progress, wid: str, predicted: float, keys: list[int], bs: int
+        self,
+        req: GenRequest,
+        p: Progress,
+        wid: str,
+        predicted: float,
+        keys: list[int],
+        bs: int,
+        hit_tokens: int = 0,
     ) -> dict[str, str]:
         r = self.r
         rid = req.request_id
@@ -255,6 +264,7 @@ class Pipeline:
             "deadline": f"{deadline:.0f}",
             "trace": req.trace_id,
             "t": f"{time.time():.6f}",
+            "hit": str(hit_tokens),
         }
         p.t_handoff = time.perf_counter()
         entry, queued = await self.handoff.append(wid, fields, predicted, r.settings.max_queue_len)
@@ -277,6 +287,7 @@ class Pipeline:
         p.stage = "prefilled"
         p.t_first = time.perf_counter()
         p.batch_id = reply.get("batch_id", "")
+        p.batch_size = int(reply.get("batch_size", 1) or 1)
         p.cached_tokens = int(float(reply.get("cached_tokens", 0)))
         p.prefill_ms = float(reply.get("end_ms", 0)) - float(reply.get("start_ms", 0))
         p.queue_ms = max(0.0, (p.t_first - p.t_handoff) * 1000 - p.prefill_ms)

@@ -1,0 +1,222 @@
+"""The owner's batching decisions for one prefill worker (DESIGN §7), as pure code.
+
+No I/O, no clock, no asyncio: the live dispatcher and the simulator feed it items and the current
+time (ms on one consistent clock) and ask `decide()`; it answers which items to send now and why,
+or when to ask again. Knobs are *modelled* milliseconds; `BatcherConfig.scaled(time_scale)`
+converts them for a driver whose clock runs at the worker's time scale.
+
+- `fixed_window` (work-conserving): an idle worker gets what is waiting at once (`idle`); a busy
+  one accumulates until `max_size` (`full`), the oldest item has waited `wait_ms` (`timeout`), or
+  the predicted batch time reaches `predict_threshold_ms` (`predict_threshold`).
+- `slo`: items ordered by deadline (arrival + SLO − predicted time); the batch is filled while
+  the head still meets its deadline, and dispatched when the head's slack reaches the guard
+  (`deadline`); an item whose SLO has already passed fails typed.
+- Never more than `max_inflight_batches` dispatched and unfinished. Packing skips what does not
+  fit the token/KV budget (no head-of-line blocking); what can never fit fails at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from app.scheduling.formula import BatchItem
+
+ALGORITHMS = ("fixed_window", "slo")
+MODES = ("batch", "direct")
+REASONS = ("idle", "full", "timeout", "predict_threshold", "deadline", "direct")
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    algorithm: str = "fixed_window"
+    mode: str = "batch"
+    max_size: int = 16
+    wait_ms: float = 30.0
+    max_inflight_batches: int = 2
+    predict_threshold_ms: float = 0.0  # 0 = off
+    max_batch_tokens: int = 131_072
+    slo_ttft_ms: float = 3000.0
+    guard_ms: float = 5.0
+
+    def validate(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}")
+        if not 1 <= self.max_size <= 1024:
+            raise ValueError("max_size must be in [1, 1024]")
+        if not 0 <= self.wait_ms <= 60_000:
+            raise ValueError("wait_ms must be in [0, 60000]")
+        if not 1 <= self.max_inflight_batches <= 64:
+            raise ValueError("max_inflight_batches must be in [1, 64]")
+        if self.predict_threshold_ms < 0:
+            raise ValueError("predict_threshold_ms must be >= 0")
+        if self.max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        if self.slo_ttft_ms <= 0 or self.guard_ms < 0:
+            raise ValueError("slo_ttft_ms must be > 0 and guard_ms >= 0")
+
+    def scaled(self, time_scale: float) -> BatcherConfig:
+        """Knobs in the driver's clock: modelled ms × time_scale."""
+        return replace(
+            self,
+            wait_ms=self.wait_ms * time_scale,
+            predict_threshold_ms=self.predict_threshold_ms * time_scale,
+            slo_ttft_ms=self.slo_ttft_ms * time_scale,
+            guard_ms=self.guard_ms * time_scale,
+        )
+
+
+@dataclass
+class Pending:
+    id: str
+    input_tokens: int
+    hit_tokens: int
+    arrival_ms: float
+    predicted_ms: float = 0.0  # this item alone, in the driver's clock
+    payload: object = None
+
+    @property
+    def item(self) -> BatchItem:
+        return BatchItem(self.input_tokens, self.hit_tokens)
+
+
+@dataclass
+class Decision:
+    items: list[Pending] = field(default_factory=list)
+    reason: str = ""
+    failed: list[tuple[Pending, str]] = field(default_factory=list)  # (item, error code)
+    wake_at_ms: float | None = None  # ask again then (a timer), if nothing else happens first
+
+
+PredictFn = Callable[[Sequence[BatchItem]], float]
+
+
+class Batcher:
+    def __init__(self, config: BatcherConfig, predict: PredictFn, kv_budget_tokens: int = 1 << 62) -> None:
+        config.validate()
+        self.config = config
+        self.predict = predict  # batch ms in the driver's clock
+        self.kv_budget_tokens = kv_budget_tokens
+        self.pending: list[Pending] = []
+        self.inflight = 0
+
+    def add(self, p: Pending) -> None:
+        self.pending.append(p)
+
+    def remove(self, item_id: str) -> bool:
+        for i, p in enumerate(self.pending):
+            if p.id == item_id:
+                del self.pending[i]
+                return True
+        return False
+
+    def batch_started(self) -> None:
+        self.inflight += 1
+
+    def batch_finished(self) -> None:
+        self.inflight = max(0, self.inflight - 1)
+
+    # ---- the decision ---------------------------------------------------------------------
+    def decide(self, now_ms: float, worker_busy: bool | None = None) -> Decision:
+        """What to dispatch now. `worker_busy` defaults to "a batch of ours is in flight"."""
+        c = self.config
+        d = Decision()
+        self._fail_impossible(d)
+        if c.algorithm == "slo":
+            self._fail_expired(now_ms, d)
+        if not self.pending or self.inflight >= c.max_inflight_batches:
+            return d
+        busy = self.inflight > 0 if worker_busy is None else worker_busy
+        if c.mode == "direct":
+            d.items = [self.pending.pop(0)]
+            d.reason = "direct"
+            return d
+        if c.algorithm == "slo":
+            return self._decide_slo(now_ms, d)
+        if not busy:
+            d.items, d.reason = self._pack(self.pending), "idle"
+        else:
+            oldest = min(p.arrival_ms for p in self.pending)
+            packed = self._pack(self.pending, take=False)
+            pred = self.predict([p.item for p in packed]) if packed else 0.0
+            if len(packed) >= c.max_size:
+                d.reason = "full"
+            elif c.predict_threshold_ms and pred >= c.predict_threshold_ms:
+                d.reason = "predict_threshold"
+            elif now_ms - oldest >= c.wait_ms:
+                d.reason = "timeout"
+            else:
+                d.wake_at_ms = oldest + c.wait_ms
+                return d
+            d.items = self._pack(self.pending)
+        return d
+
+    def _pack(self, candidates: list[Pending], take: bool = True) -> list[Pending]:
+        """First-come order, skipping what does not fit the remaining budget (skip-not-block)."""
+        c = self.config
+        out: list[Pending] = []
+        tokens = kv = 0
+        for p in list(candidates):
+            if len(out) >= c.max_size:
+                break
+            compute = p.input_tokens - p.hit_tokens
+            if tokens + compute > c.max_batch_tokens or kv + p.input_tokens > self.kv_budget_tokens:
+                continue
+            out.append(p)
+            tokens += compute
+            kv += p.input_tokens
+        if take:
+            ids = {id(p) for p in out}
+            self.pending = [p for p in self.pending if id(p) not in ids]
+        return out
+
+    def _fail_impossible(self, d: Decision) -> None:
+        c = self.config
+        keep = []
+        for p in self.pending:
+            if p.input_tokens - p.hit_tokens > c.max_batch_tokens or p.input_tokens > self.kv_budget_tokens:
+                d.failed.append((p, "too_long"))
+            else:
+                keep.append(p)
+        self.pending = keep
+
+    def _deadline(self, p: Pending) -> float:
+        return p.arrival_ms + self.config.slo_ttft_ms - p.predicted_ms
+
+    def _fail_expired(self, now_ms: float, d: Decision) -> None:
+        keep = []
+        for p in self.pending:
+            if now_ms > p.arrival_ms + self.config.slo_ttft_ms:
+                d.failed.append((p, "deadline_exceeded"))
+            else:
+                keep.append(p)
+        self.pending = keep
+
+    def _decide_slo(self, now_ms: float, d: Decision) -> Decision:
+        c = self.config
+        order = sorted(self.pending, key=self._deadline)
+        head = order[0]
+        # Fill in deadline order while the head still finishes within its SLO.
+        chosen: list[Pending] = []
+        for p in order:
+            if len(chosen) >= c.max_size:
+                break
+            trial = [*chosen, p]
+            if (
+                now_ms + self.predict([x.item for x in trial]) <= head.arrival_ms + c.slo_ttft_ms
+                or not chosen
+            ):
+                chosen = trial
+        slack = self._deadline(head) - now_ms
+        busy = self.inflight > 0
+        if busy and slack > c.guard_ms and len(chosen) < c.max_size:
+            d.wake_at_ms = now_ms + slack - c.guard_ms
+            return d
+        packed = self._pack(chosen, take=False)
+        ids = {id(p) for p in packed}
+        self.pending = [p for p in self.pending if id(p) not in ids]
+        d.items = packed
+        d.reason = "deadline" if busy else "idle"
+        return d
