@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -22,6 +23,10 @@ from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
 
 router = APIRouter()
+T = TypeVar("T")
+#: What a request id may look like, from the body or `X-Request-Id`: it becomes part of Redis keys
+#: (`{q:<id>}` is a hash tag, so braces must never get in) and of log lines.
+REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def _replica(request: Request) -> Any:
@@ -31,8 +36,8 @@ def _replica(request: Request) -> Any:
 def _ids(request: Request, body_id: str | None = None) -> tuple[str, str]:
     """(request id, trace id): client id from the body or X-Request-Id, trace from traceparent."""
     rid = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-    if len(rid) > 128:
-        raise ApiError("invalid_request", "request id longer than 128 characters")
+    if not REQUEST_ID.match(rid):
+        raise ApiError("invalid_request", "request id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
     tp = request.headers.get("traceparent", "")
     parts = tp.split("-")
     trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
@@ -78,6 +83,40 @@ async def models(request: Request) -> dict[str, Any]:
 
 
 # ---- running a request ----------------------------------------------------------------------
+async def _disconnected(request: Request) -> None:
+    """Return when the client goes away. The body was read already, so the next ASGI message the
+    server delivers is `http.disconnect`."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _guarded(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in a task of its own while watching the client's connection.
+
+    The pipeline registers the task it runs in as the request's (`Pipeline.live`), so a cancel
+    from any replica (`DELETE /v1/requests/{id}`) cancels that task, never this handler: the
+    client still gets a typed `cancelled` answer instead of the server's bare 500. A client that
+    disconnects before the answer (non-streaming, or a stream before its first byte: queued or in
+    prefill) cancels the task, and the pipeline's clean-up removes the queued request, cancels the
+    engine's work and releases every hold. Uvicorn would otherwise run it to the end for no one.
+    """
+    task: asyncio.Future[T] = asyncio.ensure_future(work)
+    watch = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went away, or this handler itself is being cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if not task.cancelled():
+        return task.result()
+    if watch.done() and not watch.cancelled():
+        raise ApiError("cancelled", "client disconnected")
+    raise ApiError("cancelled", "request cancelled")
+
+
 async def _collect(r: Any, req: GenRequest) -> dict[str, Any]:
     try:
         async for kind, payload in r.pipeline.run(req):
@@ -103,21 +142,34 @@ async def _relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
     instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
     stall = r.settings.sse_stall_timeout_s
+    leaving = False  # set when this generator ends: nobody reads `q` any more
+
+    def last(ev: tuple[str, Any]) -> None:
+        """The final event always fits: tokens still buffered for a request that ends in an
+        error are dropped rather than leaving the reader waiting forever."""
+        while q.full():
+            q.get_nowait()
+        q.put_nowait(ev)
 
     async def produce() -> None:
         try:
-            async for ev in r.pipeline.run(req):
-                await asyncio.wait_for(q.put(ev), stall)
+            # aclosing: leaving early (stalled client, cancel) runs the pipeline's clean-up now,
+            # not whenever the suspended generator is garbage-collected.
+            async with contextlib.aclosing(r.pipeline.run(req)) as events:
+                async for ev in events:
+                    await asyncio.wait_for(q.put(ev), stall)
         except StoredOutcome as so:
-            await q.put(("stored", so.outcome))
+            last(("stored", so.outcome))
         except ApiError as err:
-            await q.put(("error", err))
+            last(("error", err))
         except TimeoutError:
-            await q.put(("error", ApiError("cancelled", "client stopped reading")))
+            last(("error", ApiError("cancelled", "client stopped reading")))
         except asyncio.CancelledError:
+            if not leaving:  # cancelled by `DELETE /v1/requests/{id}`, not by our reader leaving
+                last(("error", ApiError("cancelled", "request cancelled")))
             raise
         except Exception:  # pipeline already logged it
-            await q.put(("error", ApiError("internal", "internal error")))
+            last(("error", ApiError("internal", "internal error")))
 
     task = asyncio.create_task(produce())
     try:
@@ -127,6 +179,7 @@ async def _relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
             if kind in ("end", "error", "stored"):
                 return
     finally:
+        leaving = True
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -181,6 +234,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         ids = r.tokenizer.encode(body.prompt)
     elif body.prompt and all(isinstance(x, int) for x in body.prompt):
         ids = list(body.prompt)  # type: ignore[arg-type]
+        vocab = r.tokenizer.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ApiError("invalid_request", f"prompt token ids must be in [0, {vocab})")
     elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
         ids = r.tokenizer.encode(body.prompt[0])
     else:
@@ -191,7 +247,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     cid = f"cmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
-        o = await _collect(r, req)
+        o = await _guarded(request, _collect(r, req))
         return {
             "id": cid,
             "object": "text_completion",
@@ -254,7 +310,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                 break
         yield b"data: [DONE]\n\n"
 
-    return await _stream_response(gen())
+    return await _stream_response(request, gen())
 
 
 def _stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
@@ -264,10 +320,11 @@ def _stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
         return e
 
 
-async def _stream_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+async def _stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
     """Pull the first chunk before answering 200, so errors before any token (validation,
-    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event."""
-    first = await gen.__anext__()
+    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event. The
+    wait covers queueing and prefill, so a client that leaves meanwhile cancels the request."""
+    first = await _guarded(request, gen.__anext__())
     if first.startswith(b'data: {"error"'):
         err = json.loads(first[6:])["error"]
         with contextlib.suppress(Exception):
@@ -302,7 +359,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     cid = f"chatcmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
-        o = await _collect(r, req)
+        o = await _guarded(request, _collect(r, req))
         return {
             "id": cid,
             "object": "chat.completion",
@@ -365,7 +422,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
                 break
         yield b"data: [DONE]\n\n"
 
-    return await _stream_response(gen())
+    return await _stream_response(request, gen())
 
 
 # ---- native ------------------------------------------------------------------------------------
@@ -401,7 +458,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         ids = r.tokenizer.encode(body.prompt or "")
     req = await _prepare(request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate")
     if not body.stream:
-        return _native(r, await _collect(r, req))
+        return _native(r, await _guarded(request, _collect(r, req)))
 
     async def gen() -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(r.tokenizer)
@@ -423,7 +480,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 break
         yield b"data: [DONE]\n\n"
 
-    return await _stream_response(gen())
+    return await _stream_response(request, gen())
 
 
 # ---- request status and cancel -----------------------------------------------------------------

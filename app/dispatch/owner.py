@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -44,16 +45,17 @@ class QueueItem:
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
+    m = json.loads(f[b"m"])
     return QueueItem(
         entry_id=s(entry_id),
-        request_id=s(f[b"rid"]),
-        origin=s(f[b"origin"]),
+        request_id=str(m["rid"]),
+        origin=str(m["origin"]),
         tokens=unpack_tokens(f[b"ids"]),
-        predicted_ms=float(f.get(b"pred", b"0")),
-        deadline_ms=float(f.get(b"deadline", b"0")),
-        trace_id=s(f.get(b"trace", b"")),
-        t_handoff=float(f.get(b"t", b"0")),
-        hit_tokens=int(f.get(b"hit", b"0")),
+        predicted_ms=float(m.get("pred", 0.0)),
+        deadline_ms=float(m.get("deadline", 0.0)),
+        trace_id=str(m.get("trace", "")),
+        t_handoff=float(m.get("t", 0.0)),
+        hit_tokens=int(m.get("hit", 0)),
     )
 
 

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from redis.exceptions import RedisError
+
 from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
@@ -156,6 +158,12 @@ class Pipeline:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
             raise
+        except RedisError as exc:  # fail_closed: shared state unreachable mid-request
+            err = ApiError(
+                "state_unavailable", f"shared state unavailable: {type(exc).__name__}", retry_after_s=1
+            )
+            await self._abort(req, p, "failed", err)
+            raise err from None
         except GeneratorExit:  # the consumer went away (client disconnect)
             await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
             raise
@@ -256,18 +264,18 @@ class Pipeline:
         p.prefill_worker = wid
         fut = r.replies.expect(rid)
         deadline = time.time() * 1000 + req.timeout_ms
-        fields = {
+        meta = {
             "rid": rid,
             "origin": r.replica_id,
-            "ids": pack_tokens(req.input_ids),
-            "pred": f"{predicted:.3f}",
-            "deadline": f"{deadline:.0f}",
+            "pred": round(predicted, 3),
+            "deadline": round(deadline),
             "trace": req.trace_id,
-            "t": f"{time.time():.6f}",
-            "hit": str(hit_tokens),
+            "t": round(time.time(), 6),
+            "hit": hit_tokens,
         }
-        p.t_handoff = time.perf_counter()
-        entry, queued = await self.handoff.append(wid, fields, predicted, r.settings.max_queue_len)
+        entry, queued = await self.handoff.append(
+            wid, meta, pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
+        )
         if entry is None:
             r.replies.forget(rid)
             raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)

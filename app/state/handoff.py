@@ -4,6 +4,7 @@ origin reads them). Token ids cross Redis once, packed as little-endian int32, n
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,17 +38,15 @@ class Handoff:
         self.keys: Keys = store.keys
 
     async def append(
-        self, wid: str, fields: Mapping[str, Any], predicted_ms: float, max_len: int
+        self, wid: str, meta: Mapping[str, Any], ids: bytes, predicted_ms: float, max_len: int
     ) -> tuple[str | None, float]:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
-        worker's queued predicted ms after this call)."""
-        flat: list[Any] = []
-        for k, v in fields.items():
-            flat += [k, v]
+        worker's queued predicted ms after this call). `meta` travels as one JSON field, the token
+        ids as one binary field."""
         res = await self.store._run(
             "handoff",
             [self.keys.queue(wid), self.keys.queued_ms(wid)],
-            [max_len, f"{predicted_ms:.6f}", *flat],
+            [max_len, f"{predicted_ms:.6f}", json.dumps(meta, separators=(",", ":")), ids],
         )
         entry = s(res[0])
         return (None if entry == "-1" else entry), float(s(res[1]))

