@@ -141,3 +141,11 @@ BATCH_WAIT = Histogram(
     buckets=_FAST,
     registry=REGISTRY,
 )
+CLAIMED = Counter(
+    "flexlb_owner_claimed_total",
+    "Pending hand-offs taken over from a dead owner, by outcome",
+    ["outcome"],
+    registry=REGISTRY,
+)
+for _o in ("delivered", "adopted", "redispatched"):
+    CLAIMED.labels(_o)

@@ -4,6 +4,7 @@ by both replicas."""
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import httpx
 import pytest
@@ -136,3 +137,77 @@ def test_direct_mode_live_switch(one_prefill_cluster) -> None:
         wait_for(direct_only, 20, interval=0.2, what="direct mode in effect")
     except AssertionError:
         raise AssertionError(seen[-3:]) from None
+
+
+def test_owner_killed_with_items_queued_and_in_flight(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """SIGKILL the owner while one batch runs on the worker and more wait in its batcher: the new
+    owner claims the pending entries (deliver / adopt / dispatch once): every request completes or
+    ends typed, none hangs, none runs twice on the engine."""
+    p = worker_pool["prefill"][1]
+    d = worker_pool["decode"][0]
+
+    async def conf(formula: str) -> None:
+        for addr in (p.address, d.address):
+            c = WorkerClient(addr)
+            await c.reset()
+            await c.close()
+        c = WorkerClient(p.address)
+        await c.configure(formula=formula)
+        await c.close()
+        c = WorkerClient(d.address)
+        await c.configure(profile="formula", formula="1", time_scale=0.05)
+        await c.close()
+
+    asyncio.run(conf("1500"))
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster)
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
+        h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        httpx.put(a.url + "/admin/config", json={"batch_max_size": 2, "max_inflight_batches": 1}, headers=h)
+        wait_for(lambda: "runtime config v1 applied" in a.log(), 5, what="config applied")
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                tasks = [
+                    asyncio.create_task(
+                        c.post(
+                            b.url + "/v1/generate",
+                            json={
+                                "prompt": f"failover {i} " * 20,
+                                "max_new_tokens": 2,
+                                "timeout_ms": 40_000,
+                                "request_id": f"fo-{i}-{cluster}",
+                            },
+                        )
+                    )
+                    for i in range(6)
+                ]
+                await asyncio.sleep(0.8)  # first batch running on the worker, the rest queued at A
+                a.kill()
+                return await asyncio.wait_for(asyncio.gather(*tasks), 55)
+
+        resps = asyncio.run(run())
+        bodies = [r.json() for r in resps]
+        for r, body in zip(resps, bodies, strict=True):
+            assert r.status_code == 200 or body["error"]["code"] in ("worker_error", "deadline_exceeded"), (
+                body
+            )
+        assert sum(1 for r in resps if r.status_code == 200) >= 4
+        assert "claimed" in b.log()
+
+        async def records() -> list[dict]:
+            c = WorkerClient(p.address)
+            try:
+                return (await c.status(0))["finished"]
+            finally:
+                await c.close()
+
+        ran = collections.Counter(r["request_id"] for r in asyncio.run(records()) if r["status"] == "ok")
+        assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
+    finally:
+        a.stop()
+        b.stop()
+        asyncio.run(conf("1"))

@@ -125,6 +125,8 @@ class OwnerDispatcher:
     async def _read_loop(self) -> None:
         await self.handoff.ensure_group(self.wid)
         key = self.store.keys.queue(self.wid)
+        with contextlib.suppress(Exception):
+            await self._claim_pending(key)
         while self.lease.is_valid():
             try:
                 self.store.commands_total += 1
@@ -152,6 +154,76 @@ class OwnerDispatcher:
                         )
                     )
                     self.wake.set()
+
+    async def _claim_pending(self, key: str) -> None:
+        """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
+        over the previous owner's pending entries. Each is delivered from the worker's finished
+        record, adopted if the worker has it queued or running, or — never seen by the worker —
+        its old batch is tombstoned and it is dispatched once."""
+        claimed: list[QueueItem] = []
+        cursor = "0-0"
+        while self.lease.is_valid():
+            self.store.commands_total += 1
+            res = await self._reader.xautoclaim(key, GROUP, self.replica_id, 0, cursor, count=256)
+            cursor, entries = s(res[0]), res[1]
+            claimed += [parse_item(eid, f) for eid, f in entries if f]
+            if cursor == "0-0" or not entries:
+                break
+        if not claimed:
+            return
+        st = await self.client.status(0, timeout=5.0)
+        finished = {r["request_id"]: r for r in st.get("finished", [])}
+        live = {rid for b in st.get("live", []) for rid in b.get("request_ids", [])}
+        ledger = await self.store.read_ledger(self.wid)
+        log.warning("owner %s: claimed %d pending entries from the previous owner", self.wid, len(claimed))
+        for item in claimed:
+            rec = finished.get(item.request_id)
+            old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
+            if rec is not None:
+                M.CLAIMED.labels("delivered").inc()
+                await self._reply(
+                    item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
+                )
+            elif item.request_id in live:
+                M.CLAIMED.labels("adopted").inc()
+                t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
+                self._inflight.add(t)
+                t.add_done_callback(self._inflight.discard)
+            else:
+                M.CLAIMED.labels("redispatched").inc()
+                for bid in old_batches:  # a late arrival of the old batch must not run it twice
+                    with contextlib.suppress(Exception):
+                        await self.client.cancel(bid)
+                    await self.store.settle(self.wid, bid, item.request_id)
+                self.batcher.add(
+                    Pending(
+                        item.request_id,
+                        len(item.tokens),
+                        item.hit_tokens,
+                        time.time() * 1000,
+                        item.predicted_ms * self.time_scale(),
+                        item,
+                    )
+                )
+                self.wake.set()
+
+    async def _adopt(self, item: QueueItem, batch_id: str) -> None:
+        """The worker is running it for a dead owner: wait for its finished record, then deliver."""
+        since = 0
+        deadline = item.deadline_ms or (time.time() * 1000 + 120_000)
+        while time.time() * 1000 < deadline and self.lease.is_valid():
+            st = await self.client.status(since, timeout=5.0)
+            for r in st.get("finished", []):
+                since = max(since, int(r["seq"]))
+                if r["request_id"] == item.request_id:
+                    await self._reply(
+                        item, r["batch_id"], {**r, "epoch": st.get("epoch", ""), "worker": self.wid}
+                    )
+                    return
+            await asyncio.sleep(0.1)
+        await self._reply(
+            item, batch_id, {"status": "worker_error", "error": "adopted request never finished"}
+        )
 
     async def _decide_loop(self) -> None:
         while True:

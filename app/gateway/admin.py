@@ -142,7 +142,7 @@ async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
     r = _replica(request)
     prefill = r.prefill_ids()
     block = int(r.snapshots.get(prefill[0], {}).get("block_size", 64) if prefill else 64)
-    keys = block_keys(body.input_ids, block)
+    keys = block_keys(body.input_ids, block, model=r.settings.model, tokenizer=r.tokenizer.name)
     now_ms = time.time() * 1000
     return {
         "replica": r.replica_id,

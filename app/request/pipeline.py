@@ -135,7 +135,9 @@ class Pipeline:
         rid = req.request_id
         task = asyncio.current_task()
         if task is not None:
-            self.live[rid] = task
+            # setdefault: a duplicate of a request live on this replica must not take its slot
+            # (its clean-up would then drop the original's cancel handle and reply future).
+            self.live.setdefault(rid, task)
         try:
             await self._record(req, p)
             async with asyncio.timeout(req.timeout_ms / 1000):
@@ -175,7 +177,8 @@ class Pipeline:
         finally:
             if self.live.get(rid) is task:
                 del self.live[rid]
-            r.replies.forget(rid)
+            if p.stage != "new":  # only the request that created the record waits for its reply
+                r.replies.forget(rid)
 
     async def _record(self, req: GenRequest, p: Progress) -> None:
         """One round trip: the lifecycle record (refused when the id exists) and this origin's
