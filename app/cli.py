@@ -175,17 +175,32 @@ def _redacted(settings: object) -> dict[str, object]:
 
 @app.command()
 def up(
+    prefill: Annotated[int, typer.Option(help="prefill workers")] = 2,
+    decode: Annotated[int, typer.Option(help="decode workers")] = 2,
+    gateways: Annotated[int, typer.Option(help="gateway replicas")] = 2,
+    port: Annotated[int, typer.Option(help="first gateway port; replicas use the next ones")] = 8000,
     profile: Annotated[str, typer.Option(help="engine profile of the workers")] = "llama3.1-8b-h100",
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
     log_dir: Annotated[str, typer.Option(help="folder for every process's log")] = "logs",
+    redis_url: Annotated[str | None, typer.Option(envvar="FLEXLB_REDIS_URL", help="unset → embedded")] = None,
 ) -> None:
-    """Run the local stack in the foreground (Ctrl-C stops everything)."""
+    """Run the local stack in the foreground: Redis, workers, gateways (Ctrl-C stops everything)."""
     from pathlib import Path
 
     from app.stack import run_stack
 
-    args = ["--profile", profile, "--time-scale", str(time_scale)]
-    raise typer.Exit(run_stack(args, Path(log_dir)))
+    raise typer.Exit(
+        run_stack(
+            prefill=prefill,
+            decode=decode,
+            gateways=gateways,
+            port=port,
+            profile=profile,
+            time_scale=time_scale,
+            log_dir=Path(log_dir),
+            redis_url=redis_url,
+        )
+    )
 
 
 def main() -> None:

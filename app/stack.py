@@ -1,69 +1,222 @@
-"""`flexlb up`: the local stack in the foreground. For now one prefill and one decode worker;
-the operations work grows it into the full cluster (Redis, gateways)."""
+"""`flexlb up`: the whole local stack in the foreground — an embedded Redis, prefill and decode
+sim workers, gateway replicas — with one log folder, parallel start and stop, and a clean exit on
+Ctrl-C/SIGTERM (nothing left running). A component that fails to start is named with the tail of
+its log and everything else is stopped."""
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-
-def _start(role: str, args: list[str], log_dir: Path) -> tuple[subprocess.Popen[str], IO[str]]:
-    log = open(log_dir / f"{role}.log", "w")  # noqa: SIM115 - closed in run_stack
-    cmd = [sys.executable, "-m", "app.cli", "worker", "--role", role, "--log-level", "WARNING", *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True), log
+import httpx
 
 
-def _ready(proc: subprocess.Popen[str], timeout: float) -> dict | None:
-    assert proc.stdout is not None
+class StartError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[str]
+    log_path: Path
+    log: IO[str]
+    info: dict[str, object] = field(default_factory=dict)
+
+    def tail(self, n: int = 15) -> str:
+        self.log.flush()
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(5)
+        self.log.close()
+
+
+def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str], pipe: bool = False) -> Proc:
+    log_path = log_dir / f"{name}.log"
+    log = open(log_path, "w")  # noqa: SIM115 - closed by Proc.stop
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *args],
+        stdout=subprocess.PIPE if pipe else log,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=True,  # our Ctrl-C handler stops them in order, not the terminal
+    )
+    return Proc(name, popen, log_path, log)
+
+
+def _worker_ready(p: Proc, timeout: float) -> None:
+    assert p.popen.stdout is not None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            return None
+        line = p.popen.stdout.readline()
+        if not line:
+            if p.popen.poll() is not None:
+                raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
+            continue
         try:
             ev = json.loads(line)
         except ValueError:
             continue
         if ev.get("event") == "worker_ready":
-            return ev
-    return None
+            p.info = ev
+            # keep draining stdout into the log so the worker never blocks on a full pipe
+            threading.Thread(target=_drain, args=(p,), daemon=True).start()
+            return
+    raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
 
 
-def run_stack(worker_args: list[str], log_dir: Path) -> int:
+def _drain(p: Proc) -> None:
+    assert p.popen.stdout is not None
+    for line in p.popen.stdout:
+        p.log.write(line)
+
+
+def _wait_http(p: Proc, url: str, timeout: float, ready: bool = False) -> dict:
+    deadline = time.monotonic() + timeout
+    last = ""
+    while time.monotonic() < deadline:
+        if p.popen.poll() is not None:
+            raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
+        try:
+            r = httpx.get(url, timeout=1)
+            if r.status_code == 200 or (not ready and r.status_code == 503):
+                return r.json()  # type: ignore[no-any-return]
+            last = r.text
+        except httpx.HTTPError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise StartError(f"{p.name} not ready after {timeout:.0f} s ({last[:200]}):\n{p.tail()}")
+
+
+def run_stack(
+    *,
+    prefill: int = 2,
+    decode: int = 2,
+    gateways: int = 2,
+    port: int = 8000,
+    profile: str = "llama3.1-8b-h100",
+    time_scale: float = 1.0,
+    log_dir: Path = Path("logs"),
+    redis_url: str | None = None,
+) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
-    started = [_start(role, worker_args, log_dir) for role in ("prefill", "decode")]
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    t0 = time.monotonic()
+    token = os.environ.get("FLEXLB_ADMIN_TOKEN") or secrets.token_urlsafe(12)
+    cluster = os.environ.get("FLEXLB_CLUSTER", "flexlb")
+    env = {**os.environ, "FLEXLB_ADMIN_TOKEN": token, "FLEXLB_CLUSTER": cluster, "PYTHONUNBUFFERED": "1"}
+    procs: list[Proc] = []
+    emb = None
     rc = 0
     try:
-        for (proc, _), role in zip(started, ("prefill", "decode"), strict=True):
-            ev = _ready(proc, 60)
-            if ev is None:
-                print(f"{role} worker failed to start; see {log_dir / (role + '.log')}", file=sys.stderr)
-                return 1
-            print(f"{role:8s} worker ready at {ev['address']} (epoch {ev['epoch']}, {ev['startup_s']} s)")
-        print(f"logs in {log_dir}; Ctrl-C stops everything")
+        if not redis_url:
+            from app.state.embedded_redis import start_embedded_redis
+
+            emb = start_embedded_redis(cluster, idle_s=60)
+            redis_url = emb.url
+        env["FLEXLB_REDIS_URL"] = redis_url
+        wargs = ["--profile", profile, "--time-scale", str(time_scale), "--log-level", "WARNING"]
+        workers = [
+            _spawn(f"{role}-{i}", ["worker", "--role", role, *wargs], log_dir, env, pipe=True)
+            for role, n in (("prefill", prefill), ("decode", decode))
+            for i in range(n)
+        ]
+        procs += workers
+        gws = [
+            _spawn(f"gateway-{i}", ["gateway", "--port", str(port + i)], log_dir, env)
+            for i in range(gateways)
+        ]
+        procs += gws
+        with ThreadPoolExecutor(max(1, len(workers))) as ex:  # workers start in parallel (~6 s each)
+            for f in [ex.submit(_worker_ready, w, 90) for w in workers]:
+                f.result()
+        for i, g in enumerate(gws):
+            _wait_http(g, f"http://127.0.0.1:{port + i}/healthz", 30)
+        spec = ",".join(f"{w.name.split('-')[0]}@{w.info['address']}" for w in workers)
+        # Register the workers once every replica is up: leases are sticky, so this spreads owners.
+        httpx.post(
+            f"http://127.0.0.1:{port}/admin/workers",
+            json={"workers": spec},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=10,
+        ).raise_for_status()
+        for i, g in enumerate(gws):
+            _wait_http(g, f"http://127.0.0.1:{port + i}/readyz", 30, ready=True)
+        _banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0)
         while not stop.wait(0.5):
-            for proc, _ in started:
-                if proc.poll() is not None:
-                    print("a worker exited; stopping", file=sys.stderr)
-                    return 1
-        return rc
+            for p in procs:
+                if p.popen.poll() is not None:
+                    print(
+                        f"\n{p.name} exited with code {p.popen.returncode}; stopping:\n{p.tail()}",
+                        file=sys.stderr,
+                    )
+                    rc = 1
+                    stop.set()
+                    break
+    except StartError as exc:
+        print(f"start failed: {exc}", file=sys.stderr)
+        rc = 1
     finally:
-        for proc, _ in started:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc, log in started:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
-        print("stopped")
+        t1 = time.monotonic()
+        print("stopping...", flush=True)
+        gw_procs = [p for p in procs if p.name.startswith("gateway")]
+        others = [p for p in procs if not p.name.startswith("gateway")]
+        for group in (gw_procs, others):  # gateways drain first, then the workers, in parallel
+            with ThreadPoolExecutor(max(1, len(group))) as ex:
+                list(ex.map(lambda p: p.stop(), group))
+        if emb is not None:
+            emb.stop()
+        print(f"stopped in {time.monotonic() - t1:.1f} s; logs in {log_dir}/", flush=True)
+    return rc
+
+
+def _banner(
+    port: int, n: int, token: str, redis_url: str, workers: list[Proc], log_dir: Path, secs: float
+) -> None:
+    urls = ", ".join(f"http://127.0.0.1:{port + i}" for i in range(n))
+    ws = "\n".join(f"  {w.name:10s} {w.info['address']}" for w in workers)
+    print(
+        f"""
+FlexLB is up in {secs:.1f} s
+  gateways     {urls}
+  redis        {redis_url}
+  admin token  {token}
+  logs         {log_dir}/
+workers:
+{ws}
+
+try it:
+  curl -s http://127.0.0.1:{port}/v1/generate -H 'content-type: application/json' \\
+       -d '{{"prompt": "Hello", "max_new_tokens": 16}}'
+  curl -sN http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\
+       -d '{{"model": "flexlb-sim", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+  python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="-"); \\
+print(c.completions.create(model="flexlb-sim", prompt="Hello", max_tokens=8).choices[0].text)'
+  curl -s -H 'Authorization: Bearer {token}' http://127.0.0.1:{port}/admin/leases
+
+Ctrl-C stops everything.""",
+        flush=True,
+    )
