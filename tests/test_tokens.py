@@ -303,6 +303,8 @@ def test_chat_assistant_null_content() -> None:
     """OpenAI sends `content: null` on assistant turns that only carry tool calls."""
     msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}
     assert render_chat([msg]) == "<|im_start|>assistant\n<|im_end|>\n"
+    # The API layer dumps messages with exclude_none, which drops the key altogether.
+    assert render_chat([{"role": "assistant", "tool_calls": [{"id": "c1"}]}]) == render_chat([msg])
 
 
 @pytest.mark.parametrize(
