@@ -70,7 +70,7 @@ class OwnerDispatcher:
         redis_url: str,
         *,
         epoch: Callable[[], str],
-        config: Callable[[], BatcherConfig] = BatcherConfig,
+        config: Callable[[], BatcherConfig] | None = None,
         formula: Callable[[], Formula] | None = None,
         time_scale: Callable[[], float] = lambda: 1.0,
         on_worker_error: Callable[[str], None] | None = None,
@@ -82,7 +82,8 @@ class OwnerDispatcher:
         self.handoff = Handoff(store)
         self.client = client
         self.epoch = epoch
-        self.config = config
+        default = BatcherConfig()
+        self.config = config or (lambda: default)
         self.formula = formula or (lambda: compile_formula(DEFAULT_PREFILL_FORMULA))
         self.time_scale = time_scale
         self.on_worker_error = on_worker_error
@@ -95,6 +96,9 @@ class OwnerDispatcher:
         self.batcher = Batcher(self._scaled_config(), self._predict)
         self.dispatched = 0
         self._batch_sizes: dict[str, int] = {}
+        # Set by stop(): the loops end by themselves even when the cancel was swallowed (grpc.aio
+        # turns a cancel inside a worker call into an RPC error, which the loops treat as a failure).
+        self._stopping = False
 
     def _scaled_config(self) -> BatcherConfig:
         cfg = self.config()
@@ -112,6 +116,7 @@ class OwnerDispatcher:
         ]
 
     async def stop(self) -> None:
+        self._stopping = True
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -127,7 +132,7 @@ class OwnerDispatcher:
         key = self.store.keys.queue(self.wid)
         with contextlib.suppress(Exception):
             await self._claim_pending(key)
-        while self.lease.is_valid():
+        while self.lease.is_valid() and not self._stopping:
             try:
                 self.store.commands_total += 1
                 res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
@@ -227,7 +232,7 @@ class OwnerDispatcher:
 
     async def _decide_loop(self) -> None:
         while True:
-            if not self.lease.is_valid():
+            if not self.lease.is_valid() or self._stopping:
                 return  # a lapsed owner stops acting; entries stay pending for the next owner
             if self.config() is not self._cfg_seen:
                 self.batcher.config = self._scaled_config()

@@ -164,6 +164,9 @@ class Replica:
             cfg.get("prefill_strategy", self.settings.prefill_strategy)
         )
         self.decode_strategy = make_decode_strategy(cfg.get("decode_strategy", self.settings.decode_strategy))
+        self.batcher_config = batcher_config_from(cfg)
+        for d in self.dispatchers.values():
+            d.wake.set()  # apply the new knobs now, not at the batcher's next timer
         if version:
             log.info("runtime config v%d applied: %s", version, cfg)
 
@@ -198,6 +201,9 @@ class Replica:
                 await asyncio.sleep(0.2)
 
     async def stop(self, drain: bool = True) -> None:
+        # Every loop of this replica also ends on `draining`: a cancel that lands inside a gRPC call
+        # comes back as an RPC error (grpc.aio swallows the CancelledError), which the loops count
+        # as one more failure and carry on, so stop() would wait for them forever.
         self.draining = True
         for t in self._tasks:
             t.cancel()
@@ -237,7 +243,9 @@ class Replica:
 
     async def _on_acquire(self, wid: str, fence: int) -> None:
         self._lease_metric("owner", "acquired")
-        if wid in self.pollers:
+        if wid in self.pollers or self.draining:
+            # Stopping: a peer that drained at the same moment released this lease to us; acting
+            # on it would start a poller after stop() stopped them. drain() releases it at once.
             return
         if wid not in self.workers:
             await self.refresh_registry()
@@ -251,9 +259,12 @@ class Replica:
             interval_ms=self.settings.poll_interval_ms,
             deadline_ms=self.settings.poll_deadline_ms,
             down_after=self.settings.down_after_failures,
-            is_valid=(lambda: lease.is_valid())
+            # Not while stopping either: a cancel that lands inside a gRPC call comes back as an
+            # RPC error (grpc.aio swallows the CancelledError), so the poll loop would carry on
+            # and stop() would wait for it forever; this makes the loop end by itself.
+            is_valid=(lambda: not self.draining and lease.is_valid())
             if lease is not None
-            else (lambda: wid in self.leases.owned()),
+            else (lambda: not self.draining and wid in self.leases.owned()),
             on_health=self._on_health,
         )
         self.pollers[wid] = poller
@@ -267,6 +278,9 @@ class Replica:
                 self.client(wid),
                 self.redis_url,
                 epoch=lambda: poller.health.epoch,
+                config=lambda: self.batcher_config,
+                formula=lambda: self.formula,
+                time_scale=lambda: float(self.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0),
                 on_worker_error=lambda w: None,
             )
             self.dispatchers[wid] = d
@@ -338,7 +352,7 @@ class Replica:
 
     async def _refresh_loop(self) -> None:
         interval = self.settings.poll_interval_ms / 1000
-        while True:
+        while not self.draining:  # see stop(): a swallowed cancel must not keep a loop alive
             try:
                 await self.refresh_registry()
                 await self.refresh_snapshots()
@@ -352,7 +366,7 @@ class Replica:
     async def _redis_watch(self) -> None:
         """fail_closed: keep a verdict on Redis for /readyz and the request path, and detect a
         Redis that came back empty (cluster_epoch missing or changed) to rebuild it."""
-        while True:
+        while not self.draining:
             t0 = time.perf_counter()
             try:
                 await asyncio.wait_for(self.redis.ping(), 1.0)
@@ -394,7 +408,7 @@ class Replica:
             p.since_seq = 0
 
     async def _master_loop(self) -> None:
-        while True:
+        while not self.draining:
             await asyncio.sleep(self.settings.heartbeat_ms / 1000)
             if not self.leases.is_master():
                 continue

@@ -85,6 +85,9 @@ class Pipeline:
         self.handoff = Handoff(replica.store)
         self.rng = random.Random()
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
+        # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
+        # start and end on the worker's clock, wall time of the reply); see `_owed`.
+        self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
 
     # ---- routing inputs ------------------------------------------------------------------
     def views(self, role: str) -> list[WorkerView]:
@@ -108,13 +111,31 @@ class Pipeline:
                     kv_evictable_tokens=int(float(snap.get("kv_evictable_tokens", 0) or 0)),
                     queue_len=int(float(snap.get("queue_len", 0) or 0)),
                     queued_ms=queued,
-                    owed_ms=float(snap.get("owed_ms", 0.0) or 0.0),
+                    owed_ms=self._owed(wid, snap) if role == "prefill" else 0.0,
                     reserved_tokens=int(float(snap.get("reserved_tokens", 0) or 0)),
                     running=int(float(snap.get("running", 0) or 0)),
                     draining=info.get("state") == "draining",
                 )
             )
         return out
+
+    def _owed(self, wid: str, snap: dict[str, str]) -> float:
+        """The snapshot's owed time, less what it still counts of our own prefills that have
+        finished since. A snapshot taken while one of them ran (worker clock `now_ms` within its
+        modelled start..end) counts its remaining predicted time, and until the owner's next
+        poll that would make the worker holding a chat's cache look busy with the very request
+        whose cache the next turn wants: the turn would be routed away from its prefix."""
+        owed = float(snap.get("owed_ms", 0.0) or 0.0)
+        done = self.finished.get(wid)
+        if not done:
+            return owed
+        now = float(snap.get("now_ms", 0.0) or 0.0)
+        stale = time.time() - 5.0  # long since reflected, or from an older worker epoch
+        done[:] = [d for d in done if now < d[2] and d[3] > stale]
+        for predicted, start, _end, _ in done:
+            if start <= now:
+                owed -= max(0.0, predicted - (now - start))
+        return max(0.0, owed)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():
@@ -276,6 +297,7 @@ class Pipeline:
             "t": round(time.time(), 6),
             "hit": hit_tokens,
         }
+        p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         entry, queued = await self.handoff.append(
             wid, meta, pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
         )
@@ -297,6 +319,13 @@ class Pipeline:
             raise ApiError(code, f"prefill on {wid} ended {status}: {reply.get('error', '')}".strip())
         p.stage = "prefilled"
         p.t_first = time.perf_counter()
+        # Finished on the worker: our hand-off is no longer queued there (the owner took it), and
+        # a snapshot from while it ran still counts it as owed.
+        start_ms, end_ms = float(reply.get("start_ms", 0)), float(reply.get("end_ms", 0))
+        self.finished.setdefault(wid, []).append((predicted, start_ms, end_ms, time.time()))
+        ov = r.queued_overlay.get(wid)
+        if ov is not None:
+            r.queued_overlay[wid] = (max(0.0, ov[0] - predicted), ov[1])
         p.batch_id = reply.get("batch_id", "")
         p.batch_size = int(reply.get("batch_size", 1) or 1)
         p.cached_tokens = int(float(reply.get("cached_tokens", 0)))
@@ -328,6 +357,11 @@ class Pipeline:
                     yield ev.finish_reason
                     return
         except WorkerUnavailable as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Our own cancel (DELETE, client gone) that grpc.aio turned into an RPC error: the
+                # request ends `cancelled`, not `failed` with a worker_error.
+                raise asyncio.CancelledError from exc
             raise ApiError("worker_error", f"decode worker {dec} failed: {str(exc)[:200]}") from None
 
     # ---- endings -------------------------------------------------------------------------
