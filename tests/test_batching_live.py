@@ -99,7 +99,10 @@ def test_idle_then_full_batches_shared_by_both_replicas(one_prefill_cluster) -> 
     assert lone.get("batch_size") == 1, lone
     assert all("error" not in r for r in rs), [r for r in rs if "error" in r][:2]
     # one batch of all 32, holding requests from both replicas (odd → a, even → b)
-    assert {r["batch_size"] for r in rs} == {32}, (flushes(owner), [(r["batch_id"][-4:], r["batch_size"]) for r in rs])
+    assert {r["batch_size"] for r in rs} == {32}, (
+        flushes(owner),
+        [(r["batch_id"][-4:], r["batch_size"]) for r in rs],
+    )
     assert len({r["batch_id"] for r in rs}) == 1
     now = flushes(owner)
     assert now["idle"] - base.get("idle", 0) >= 2  # the lone request and the blocker

