@@ -18,10 +18,13 @@ WITHOUT workers; once both are live members the workers are registered through t
 the sticky owner leases spread (the replica ids are chosen so that rendezvous hashing gives each
 replica one prefill and one decode worker). The load generator runs in its own process, so its
 CPU never competes inside a gateway's event loop. Everything binds to 127.0.0.1, every load is
-bounded in count and time, and every process started here is stopped here (SIGTERM, wait, then
-SIGKILL of its process group).
+bounded in count and time (the open loop keeps at most OPEN_LOOP_MAX_INFLIGHT requests in flight
+and counts the ones it could not send), and every process started here is stopped here (SIGTERM,
+wait, then SIGKILL of its process group; a replica that ignores SIGTERM gets its stacks saved with
+py-spy when installed). Before each phase the cluster must be ready again; a worker that dies
+mid-run (a Triton crash) is recorded under `incidents` and each phase says how many deaths it saw.
 
-    .venv/bin/python bench/gateway_overhead.py [--quick] [--output DIR] [--redis-url URL]
+    .venv/bin/python bench/gateway_overhead.py [--quick] [--output DIR] [--redis-url URL] [--rate N]
 """
 
 from __future__ import annotations

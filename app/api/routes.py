@@ -86,8 +86,11 @@ async def models(request: Request) -> dict[str, Any]:
 async def _disconnected(request: Request) -> None:
     """Return when the client goes away. The body was read already, so the next ASGI message the
     server delivers is `http.disconnect`."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # this connection cannot be watched: never report it gone
+        await asyncio.Event().wait()
 
 
 async def _guarded(request: Request, work: Awaitable[T]) -> T:

@@ -89,9 +89,10 @@ class WorkerPoller:
 
     async def run(self) -> None:
         while True:
-            if not self.is_valid():  # lease lapsed: stop acting before anyone else starts
-                return
-            await self.poll_once()
+            # Lease not valid locally: stop acting (someone else may take over) but do not exit; a
+            # late renew can make it valid again, and on_lose stops this loop when it is really gone.
+            if self.is_valid():
+                await self.poll_once()
             await asyncio.sleep(self.interval_s)
 
     async def poll_once(self) -> None:

@@ -132,7 +132,10 @@ class OwnerDispatcher:
         key = self.store.keys.queue(self.wid)
         with contextlib.suppress(Exception):
             await self._claim_pending(key)
-        while self.lease.is_valid() and not self._stopping:
+        while not self._stopping:
+            if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
+                await asyncio.sleep(0.1)
+                continue
             try:
                 self.store.commands_total += 1
                 res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
@@ -232,8 +235,11 @@ class OwnerDispatcher:
 
     async def _decide_loop(self) -> None:
         while True:
-            if not self.lease.is_valid() or self._stopping:
-                return  # a lapsed owner stops acting; entries stay pending for the next owner
+            if self._stopping:
+                return
+            if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
+                await asyncio.sleep(0.1)
+                continue
             if self.config() is not self._cfg_seen:
                 self.batcher.config = self._scaled_config()
             d = self.batcher.decide(time.time() * 1000)

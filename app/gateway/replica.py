@@ -55,11 +55,16 @@ class Replica:
         self.replica_id = settings.replica_id or default_replica_id()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.keys = Keys(settings.cluster)
-        self.redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.redis = aioredis.from_url(
+            redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, max_connections=512
+        )
+        # Heartbeats and lease renewals get their own small pool: a burst of requests exhausting the
+        # request path's connections must never make this replica lose its leases.
+        self.control_redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self.store = StateStore(self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s)
         self.registry = Registry(self.redis, self.keys)
         self.membership = Membership(
-            self.redis,
+            self.control_redis,
             self.keys,
             self.replica_id,
             self.address,
@@ -67,7 +72,7 @@ class Replica:
             settings.member_ttl_ms,
         )
         self.leases = LeaseManager(
-            self.redis,
+            self.control_redis,
             self.keys,
             self.replica_id,
             settings.lease_ttl_ms,
@@ -235,6 +240,8 @@ class Replica:
             await self.redis.aclose()
         with contextlib.suppress(Exception):
             await self.follower.redis.aclose()
+        with contextlib.suppress(Exception):
+            await self.control_redis.aclose()
 
     # ---- owner hooks ---------------------------------------------------------------------
     def _lease_metric(self, kind: str, change: str) -> None:

@@ -219,13 +219,16 @@ end
 # its snapshot is exactly what the queue holds (DESIGN §3 step 6). A fixed, small argument list on
 # purpose: Redis 6.2 (the embedded server) corrupts its heap when `redis.call` gets a long
 # `unpack()`ed argument list.
-HANDOFF = """
+HANDOFF = (
+    _ADD_QUEUED_MS
+    + """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {-1, redis.call('GET', KEYS[2]) or '0'}
 end
 local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
-return {id, redis.call('INCRBYFLOAT', KEYS[2], ARGV[2])}
+return {id, add_queued_ms(tonumber(ARGV[2]))}
 """
+)
 
 # KEYS: queue STREAM, queued_ms STRING; ARGV: predicted_ms → queued_ms after taking an entry off.
 # Never below zero: a rebuild or a lost hand-off must not leave a negative queue behind.

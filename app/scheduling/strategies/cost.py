@@ -3,9 +3,10 @@
 cost(w) = predict_ms(L, h_w) + owed_ms(w) + queued_ms(w) (DESIGN §7). A long cached prefix makes
 ``predict_ms`` small, so the cache holder wins until the work already committed to it outweighs what
 the cache saves; then a colder but idler worker finishes sooner and gets the prompt. Costs within
-max(tie_pct × best, tie_ms) of the best are treated as equal and one is drawn at random: the
-predictor is only an estimate, and always picking the exact minimum would herd every replica's
-requests onto the same worker between two snapshots.
+max(tie_pct × best, tie_ms) of the best are treated as equal: among them the longest cached prefix
+wins (cache affinity keeps a conversation's blocks on one worker), and workers equal on that are
+drawn at random: the predictor is only an estimate, and always picking the exact minimum would herd
+every replica's requests onto the same worker between two snapshots.
 
 A formula that cannot be evaluated for some prompt raises FormulaEvalError out of ``choose``: that is
 a configuration bug, and routing on a made-up cost would hide it.
@@ -66,6 +67,11 @@ class CostStrategy:
             slack = self.tie_ms
         limit = best + slack
         tied = [i for i, c in enumerate(costs) if c <= limit]
+        if len(tied) > 1:
+            # Within the band, cache affinity first: the worker already holding the longest prefix
+            # keeps it (and the blocks this prompt adds) warm; randomise only among equal hits.
+            top = max(hits[i] for i in tied)
+            tied = [i for i in tied if hits[i] == top]
         i = pick_tied(tied, ws, rng)
         hit = hits[i]
         return Choice(
