@@ -125,6 +125,28 @@ def pair(worker_pool, shared_embedded_redis, tmp_path_factory) -> Iterator[Clust
     c.r.close()
 
 
+@pytest.fixture(autouse=True)
+def _pair_follows_the_pool(request: pytest.FixtureRequest, _heal_worker_pool: None) -> None:
+    """conftest replaces a pool worker that died with a new one on a new port: register that one
+    with the module's pair (and drop the dead one) before the test uses it."""
+    if "pair" not in request.fixturenames:
+        return
+    c: Cluster = request.getfixturevalue("pair")
+    pool = request.getfixturevalue("worker_pool")
+    current = {f"{w.role}@{w.address}": w.address for ws in pool.values() for w in ws}
+    if set(current) == set(c.address):
+        return
+    for wid in set(c.address) - set(current):
+        httpx.delete(f"{c.a.url}/admin/workers/{wid}", headers=ADMIN, timeout=5)
+    added = ",".join(sorted(set(current) - set(c.address)))
+    assert c.a.post("/admin/workers", admin=True, json={"workers": added}).status_code == 200
+    c.address = current
+    c.prefill = sorted(w for w in current if w.startswith("prefill@"))
+    c.decode = next(w for w in current if w.startswith("decode@"))
+    wait_for(lambda: all(c.owner(w) for w in current), 15, what="the replacement worker owned")
+    wait_for(lambda: c.a.readyz()["ready"] and c.b.readyz()["ready"], 15, what="both replicas ready")
+
+
 # ---- helpers ---------------------------------------------------------------------------------
 def uid(tag: str) -> str:
     return f"{tag}-{uuid.uuid4().hex[:8]}"

@@ -77,18 +77,22 @@ class WorkerPoller:
         self.polls = 0
         self.full_every = 50  # refresh the stored snapshot now and then so late mirrors start close
         self._task: asyncio.Task[None] | None = None
+        # Set by stop(): grpc.aio can swallow a cancel that lands inside a call, so the loop also
+        # ends on this flag instead of relying on CancelledError alone.
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"poll:{self.wid}")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
 
     async def run(self) -> None:
-        while True:
+        while not self._stopping:
             # Lease not valid locally: stop acting (someone else may take over) but do not exit; a
             # late renew can make it valid again, and on_lose stops this loop when it is really gone.
             if self.is_valid():

@@ -216,7 +216,7 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for p in list(self.pollers.values()):
-            await p.stop()
+            await _stop_poller(p)
         self.pollers.clear()
         for d in list(self.dispatchers.values()):
             await d.stop()
@@ -297,7 +297,7 @@ class Replica:
         self._lease_metric("owner", "lost")
         p = self.pollers.pop(wid, None)
         if p is not None:
-            await p.stop()
+            await _stop_poller(p)
         d = self.dispatchers.pop(wid, None)
         if d is not None:
             await d.stop()
@@ -466,6 +466,19 @@ def batcher_config_from(cfg: dict[str, str]) -> BatcherConfig:
     bc = BatcherConfig(**kw)
     bc.validate()
     return bc
+
+
+async def _stop_poller(p: WorkerPoller) -> None:
+    """`WorkerPoller.stop()` cancels its loop once, and grpc.aio loses a cancel that lands inside a
+    call (it surfaces as an RPC error, which the poll counts as one more failure): the loop would
+    carry on and this await, in stop() or in a lease hook, would never return. Cancel again every
+    half second until the loop has ended."""
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.shield(p.stop()), 0.5)
+            return
+        except TimeoutError:
+            continue
 
 
 def _s(x: bytes | str) -> str:

@@ -85,6 +85,7 @@ class Pipeline:
         self.handoff = Handoff(replica.store)
         self.rng = random.Random()
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
+        self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
         # start and end on the worker's clock, wall time of the reply); see `_owed`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
@@ -198,6 +199,7 @@ class Pipeline:
         finally:
             if self.live.get(rid) is task:
                 del self.live[rid]
+                self.cancel_requested.discard(rid)
             if p.stage != "new":  # only the request that created the record waits for its reply
                 r.replies.forget(rid)
 
@@ -358,7 +360,7 @@ class Pipeline:
                     return
         except WorkerUnavailable as exc:
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            if req.request_id in self.cancel_requested or (task is not None and task.cancelling()):
                 # Our own cancel (DELETE, client gone) that grpc.aio turned into an RPC error: the
                 # request ends `cancelled`, not `failed` with a worker_error.
                 raise asyncio.CancelledError from exc
@@ -452,6 +454,7 @@ class Pipeline:
         task = self.live.get(request_id)
         if task is None or task.done():
             return False
+        self.cancel_requested.add(request_id)
         task.cancel()
         return True
 
