@@ -203,6 +203,25 @@ def up(
     )
 
 
+_FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
+
+
+@app.command(context_settings=_FORWARD)
+def bench(ctx: typer.Context) -> None:
+    """Replay a trace (or synthetic load) against a running gateway; `flexlb bench --help` for options."""
+    from app.loadgen.cli import main as bench_main
+
+    raise typer.Exit(bench_main(list(ctx.args)))
+
+
+@app.command(context_settings=_FORWARD)
+def simulate(ctx: typer.Context) -> None:
+    """Discrete-event cluster simulation on a virtual clock; `flexlb simulate --help` for options."""
+    from app.sim.cli import main as sim_main
+
+    raise typer.Exit(sim_main(list(ctx.args)))
+
+
 def main() -> None:
     app()
 
