@@ -149,6 +149,7 @@ class WorkerPoller:
             "block_size": st.get("block_size", 64),
             "now_ms": st.get("now_ms", 0.0),
             "lag_ms": st.get("lag_ms", 0.0),
+            "max_lag_ms": st.get("max_lag_ms", 0.0),
         }
         # Ordered by the worker's status_seq (it grows with every answer), not by its result seq,
         # which only moves when a request finishes while KV and queue change all the time.

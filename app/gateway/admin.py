@@ -166,7 +166,19 @@ async def stats(request: Request, reset: bool = False) -> dict[str, Any]:
 async def get_config(request: Request) -> dict[str, Any]:
     r = _replica(request)
     raw = await r.redis.hgetall(r.keys.config)
-    return {"config": {_s(k): _s(v) for k, v in raw.items()}}
+    bc = r.batcher_config
+    # What this replica runs now (stored overrides over its settings): `flexlb bench` names its
+    # results after it, and the stored hash alone omits whatever was never changed.
+    effective = {
+        "prefill_strategy": r.prefill_strategy.name,
+        "decode_strategy": r.decode_strategy.name,
+        "schedule_mode": bc.mode,
+        "batch_algorithm": bc.algorithm,
+        "batch_max_size": bc.max_size,
+        "batch_wait_ms": bc.wait_ms,
+        "max_inflight_batches": bc.max_inflight_batches,
+    }
+    return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 
 
 @router.put("/config")
