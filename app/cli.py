@@ -118,7 +118,9 @@ def gateway(
     redis_url: Annotated[
         str | None, typer.Option(help="Redis URL (FLEXLB_REDIS_URL); unset → embedded")
     ] = None,
-    workers: Annotated[str | None, typer.Option(help="seed the registry: role@host:port,...")] = None,
+    workers: Annotated[
+        str | None, typer.Option(envvar="FLEXLB_WORKERS", help="seed the registry: role@host:port,...")
+    ] = None,
     replica_id: Annotated[str | None, typer.Option(help="stable replica id (FLEXLB_REPLICA_ID)")] = None,
     host: Annotated[str | None, typer.Option(help="listen address (FLEXLB_HOST)")] = None,
     log_level: str = "INFO",
@@ -151,16 +153,17 @@ def gateway(
     log.info("redis_url=%s", url)
     log.info("config %s", json.dumps(_redacted(settings)))
     app_ = create_app(settings, url, seed)
-    uvicorn.Server(
-        uvicorn.Config(
-            app_,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            lifespan="on",
-            timeout_graceful_shutdown=10,
-        )
-    ).run()
+    from app.gateway.server import DrainingServer
+
+    config = uvicorn.Config(
+        app_,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        lifespan="on",
+        timeout_graceful_shutdown=10,
+    )
+    DrainingServer(config, app_.state.replica, settings.drain_timeout_s).run()
 
 
 def _redacted(settings: object) -> dict[str, object]:

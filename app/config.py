@@ -23,6 +23,9 @@ class Settings(BaseSettings):
     poll_deadline_ms: int = Field(500, description="deadline of one poll call")
     down_after_failures: int = Field(2, description="consecutive failures that mark a worker down")
     speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
+    drain_timeout_s: float = Field(
+        10.0, description="on SIGTERM: how long in-flight requests and batches may take to finish"
+    )
     lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
     redis_policy: str = Field("fail_closed", description="behaviour when Redis is unreachable")
     model: str = Field("flexlb-sim", description="served model name (`/v1/models`); others are 404")

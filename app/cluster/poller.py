@@ -59,6 +59,7 @@ class WorkerPoller:
         is_valid: Callable[[], bool] = lambda: True,
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
         on_records: Callable[[str, list[dict[str, Any]], bool], Awaitable[None]] | None = None,
+        on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
     ) -> None:
         self.wid = wid
         self.client = client
@@ -71,6 +72,7 @@ class WorkerPoller:
         self.is_valid = is_valid
         self.on_health = on_health
         self.on_records = on_records
+        self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
         self.since_seq = 0
         self.cache_version: int | None = None
         self.last_status: dict[str, Any] = {}
@@ -131,11 +133,17 @@ class WorkerPoller:
         self.last_status = st
         if not self.is_valid():
             return
-        owed, queued, reserved = await self._load(float(st.get("time_scale", 1.0)))
+        if self.on_status is not None:
+            try:
+                await self.on_status(self.wid, st)
+            except Exception as exc:  # an audit failure is not a worker failure
+                log.warning("status hook for %s failed: %s", self.wid, exc)
+        owed, queued, reserved, batches = await self._load(float(st.get("time_scale", 1.0)))
         fields = {
             "owed_ms": round(owed, 3),
             "queued_ms": round(queued, 3),
             "reserved_tokens": reserved,
+            "inflight_batches": batches,
             "running": st.get("running", 0),
             "health": str(self.health.state),
             "role": st.get("role", ""),
@@ -156,10 +164,11 @@ class WorkerPoller:
         await self.store.write_snapshot(self.wid, epoch, int(st.get("status_seq", 0)), fields)
         await self._publish_cache(epoch, cache)
 
-    async def _load(self, time_scale: float) -> tuple[float, float, int]:
+    async def _load(self, time_scale: float) -> tuple[float, float, int, int]:
         """What the gateway itself has put on the worker: owed ms of committed batches (aged in
         modelled time: wall elapsed ÷ time_scale), queued ms of the hand-off queue, decode KV
-        reserved. Published in the snapshot so every replica's `cost` sees it without a query."""
+        reserved, committed batches. Published in the snapshot so every replica's `cost` sees it
+        without a query."""
         async with self.redis.pipeline(transaction=False) as p:
             p.get(self.keys.queued_ms(self.wid))
             p.hget(self.keys.reservations(self.wid), "_total")
@@ -171,7 +180,7 @@ class WorkerPoller:
             b = json.loads(raw)
             elapsed = max(0.0, now - float(b.get("start_ms", now))) / max(time_scale, 1e-9)
             owed += max(0.0, float(b.get("predicted_ms", 0.0)) - elapsed)
-        return owed, float(queued or 0.0), int(reserved or 0)
+        return owed, float(queued or 0.0), int(reserved or 0), len(ledger)
 
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:
         version = int(cache["version"])

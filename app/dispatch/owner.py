@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -42,6 +43,7 @@ class QueueItem:
     trace_id: str = ""
     t_handoff: float = 0.0  # wall s when the origin appended it
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
+    attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -56,6 +58,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         trace_id=str(m.get("trace", "")),
         t_handoff=float(m.get("t", 0.0)),
         hit_tokens=int(m.get("hit", 0)),
+        attempt=int(m.get("att", 0)),
     )
 
 
@@ -99,6 +102,11 @@ class OwnerDispatcher:
         # Set by stop(): the loops end by themselves even when the cancel was swallowed (grpc.aio
         # turns a cancel inside a worker call into an RPC error, which the loops treat as a failure).
         self._stopping = False
+        # Set by drain(): stop taking entries, flush what the batcher holds, let batches finish.
+        self._draining = False
+        self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record came in
+        self._last_audit = 0.0
+        self._marks: set[asyncio.Task[None]] = set()  # lifecycle `dispatched` writes in flight
 
     def _scaled_config(self) -> BatcherConfig:
         cfg = self.config()
@@ -114,6 +122,63 @@ class OwnerDispatcher:
             asyncio.create_task(self._read_loop(), name=f"owner-read:{self.wid}"),
             asyncio.create_task(self._decide_loop(), name=f"owner-batch:{self.wid}"),
         ]
+
+    async def drain(self, deadline_s: float) -> bool:
+        """Graceful hand-over before the lease is released: read no more entries, dispatch what
+        the batcher holds without waiting for a window, and wait (bounded) for the batches in
+        flight to be answered. Whatever is still pending at the deadline stays unacknowledged in
+        the stream, so the next owner claims it (deliver / adopt / dispatch once). True when
+        nothing was left behind."""
+        self._draining = True
+        self.wake.set()
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if not self.batcher.pending and not self._inflight:
+                return True
+            self.wake.set()
+            await asyncio.sleep(0.02)
+        return False
+
+    async def audit_ledger(
+        self, st: dict[str, Any], grace_ms: float = 2000.0, ttl_ms: float = 300_000.0
+    ) -> dict[str, int]:
+        """Backstop for settle-on-reply (DESIGN §7, lesson 3), run on the owner's status polls.
+
+        A ledger batch that this owner is not dispatching, that the worker no longer holds (not
+        queued, not running) and that was committed more than `grace_ms` ago will never be answered
+        by a reply: it is settled here, counted by how we know — `record` (the worker reported it
+        finished), `missed` (history rolled over, or the reply path died). A batch older than
+        `ttl_ms` whatever its state is settled as `ttl`; that counter staying 0 is the proof the
+        other paths are complete."""
+        now = time.time() * 1000
+        for r in st.get("finished", []):
+            self._finished_seen[str(r.get("batch_id", ""))] = now
+        if len(self._finished_seen) > 20_000:
+            for k in list(self._finished_seen)[:10_000]:
+                del self._finished_seen[k]
+        if now - self._last_audit < 1000 or not self.lease.is_valid():
+            return {}
+        self._last_audit = now
+        ledger = await self.store.read_ledger(self.wid)
+        on_worker = {str(b.get("batch_id")) for b in st.get("live", [])}
+        epoch = str(st.get("epoch", ""))
+        counts: dict[str, int] = {}
+        for bid, entry in ledger.items():
+            age = now - float(entry.get("start_ms", now))
+            if age > ttl_ms:
+                path = "ttl"
+            elif bid in self._batch_sizes or bid in on_worker or age < grace_ms:
+                continue
+            elif entry.get("epoch") and str(entry["epoch"]) != epoch:
+                continue  # an older epoch's batch: settled by the epoch change (settle_epoch)
+            else:
+                path = "record" if bid in self._finished_seen else "missed"
+            n = await self.store.settle_batch(self.wid, bid)
+            if n:
+                counts[path] = counts.get(path, 0) + n
+                M.LEDGER_LATE_SETTLED.labels(path).inc(n)
+                log.warning("owner %s: settled %d members of batch %s late (%s)", self.wid, n, bid, path)
+        return counts
 
     async def stop(self) -> None:
         self._stopping = True
@@ -132,7 +197,7 @@ class OwnerDispatcher:
         key = self.store.keys.queue(self.wid)
         with contextlib.suppress(Exception):
             await self._claim_pending(key)
-        while not self._stopping:
+        while not self._stopping and not self._draining:
             if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
                 await asyncio.sleep(0.1)
                 continue
@@ -240,7 +305,10 @@ class OwnerDispatcher:
             if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
                 await asyncio.sleep(0.1)
                 continue
-            if self.config() is not self._cfg_seen:
+            if self._draining:
+                if self.batcher.config.wait_ms:
+                    self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
+            elif self.config() is not self._cfg_seen:
                 self.batcher.config = self._scaled_config()
             d = self.batcher.decide(time.time() * 1000)
             for p, code in d.failed:
@@ -300,19 +368,35 @@ class OwnerDispatcher:
         if not live:
             return
         self.dispatched += 1
+        # Off the critical path: GET /v1/requests shows `dispatched` with the worker and batch.
+        mark = asyncio.create_task(
+            self.store.transition_many(
+                [i.request_id for i in live], "dispatched", {"prefill_worker": self.wid, "batch_id": batch_id}
+            )
+        )
+        self._marks.add(mark)
+        mark.add_done_callback(self._marks.discard)
         deadline = max((i.deadline_ms for i in live), default=0.0)
         timeout = max(1.0, (deadline - time.time() * 1000) / 1000) if deadline else None
         answered: set[str] = set()
+        accepted = False
         now = time.time()
         for i in live:
             if i.t_handoff:
                 M.HANDOFF_LATENCY.observe(max(0.0, now - i.t_handoff))
                 M.SAMPLES["handoff_latency_s"].add(max(0.0, now - i.t_handoff))
+        M.observe_dispatch((len(i.tokens), i.hit_tokens) for i in live)
+        batch_pred_ms = self.formula().predict_batch(
+            [Pending(i.request_id, len(i.tokens), i.hit_tokens, 0.0).item for i in live]
+        )
         try:
             async for ev in self.client.prefill(
                 batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout
             ):
-                if ev.event == "results":
+                if ev.event == "accepted":
+                    accepted = True
+                elif ev.event == "results":
+                    M.observe_batch_results(batch_pred_ms, ev.results)
                     for r in ev.results:
                         item = by_id.get(r["request_id"])
                         if item is None:
@@ -324,19 +408,28 @@ class OwnerDispatcher:
                     for item in live:
                         if item.request_id not in answered:
                             answered.add(item.request_id)
-                            await self._reply(item, batch_id, {"status": code, "error": ev.error})
+                            await self._reply(item, batch_id, _failure(code, ev.error, accepted))
+        except asyncio.CancelledError:
+            # Lease lost or replica stopping: the entries stay pending for the next owner, who
+            # delivers, adopts or dispatches them once. Answering here would end requests that
+            # are still running fine on the worker.
+            answered.update(i.request_id for i in live)
+            raise
         except (WorkerUnavailable, TimeoutError) as exc:
+            if self._stopping:  # grpc.aio turned our own cancel into an RPC error: as above
+                answered.update(i.request_id for i in live)
+                return
             if self.on_worker_error is not None:
                 self.on_worker_error(self.wid)
             for item in live:
                 if item.request_id not in answered:
                     answered.add(item.request_id)
-                    await self._reply(item, batch_id, {"status": "worker_error", "error": str(exc)[:300]})
+                    await self._reply(item, batch_id, _failure("worker_error", str(exc)[:300], accepted))
         finally:
             for item in live:
                 if item.request_id not in answered:
                     with contextlib.suppress(Exception):
-                        await self._reply(item, batch_id, {"status": "worker_error", "error": "no result"})
+                        await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))
             self._batch_sizes.pop(batch_id, None)
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
@@ -345,7 +438,17 @@ class OwnerDispatcher:
             "batch_id": batch_id,
             "batch_size": str(self._batch_sizes.get(batch_id, 1)),
             "worker": self.wid,
+            "att": str(item.attempt),
             **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
         }
         await self.handoff.reply(item.origin, fields)
         await self.handoff.settle_ack(self.wid, batch_id, item.request_id, item.entry_id)
+
+
+def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:
+    """A batch that failed before the worker acknowledged it never started there, so its members
+    may run elsewhere: `not_started` lets the origin retry them once on another worker."""
+    out: dict[str, Any] = {"status": code, "error": error}
+    if not accepted:
+        out["not_started"] = 1
+    return out

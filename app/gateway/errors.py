@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app import metrics as M
+
 log = logging.getLogger("flexlb.errors")
 
 
@@ -31,11 +33,14 @@ KINDS: dict[str, ErrorKind] = {
     "overloaded": ErrorKind(429, "rate_limit_error", True),
     "no_worker": ErrorKind(503, "service_unavailable", True),
     "state_unavailable": ErrorKind(503, "service_unavailable", True),
+    "draining": ErrorKind(503, "service_unavailable", True),
     "worker_error": ErrorKind(502, "server_error", True),
     "deadline_exceeded": ErrorKind(504, "timeout_error", True),
     "cancelled": ErrorKind(499, "cancelled", False),
     "internal": ErrorKind(500, "server_error", True),
 }
+for _code in KINDS:  # bounded, pre-registered label values (DESIGN §9)
+    M.REJECTIONS.labels(_code)
 
 
 class ApiError(Exception):
@@ -58,6 +63,7 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
+        M.REJECTIONS.labels(self.code).inc()  # every error status a client gets goes through here
         headers = {}
         if self.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after_s)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import socket
@@ -110,6 +111,8 @@ class Replica:
         self.cluster_epoch: str | None = None
         self.rebuilds = 0
         self.draining = False
+        # False once a SIGTERM started the drain: /readyz says so and new requests get 503 `draining`.
+        self.accepting = True
         self._tasks: list[asyncio.Task[Any]] = []
         self._commands_exported = 0
         self._epoch_lock = asyncio.Lock()
@@ -126,7 +129,7 @@ class Replica:
 
     def readiness(self) -> tuple[bool, list[str]]:
         reasons = []
-        if self.draining:
+        if self.draining or not self.accepting:
             reasons.append("draining")
         if not self.redis_ok:
             reasons.append(f"redis unreachable: {self.redis_reason}")
@@ -205,6 +208,30 @@ class Replica:
                     return  # run not-ready; the watch loop keeps trying
                 await asyncio.sleep(0.2)
 
+    async def drain(self, deadline_s: float) -> dict[str, int]:
+        """SIGTERM, step one (stop() is step two): refuse new requests, let this replica's own
+        requests finish while its batchers keep serving everyone, then flush the batchers and let
+        their batches finish — all within `deadline_s`. stop() then releases the leases; whatever
+        is still pending in a queue stream is claimed by the next owner, so nothing is lost."""
+        if not self.accepting:
+            return {}
+        self.accepting = False
+        t0 = time.monotonic()
+        end = t0 + deadline_s
+        log.info("draining: %d requests in flight", len(self.pipeline.live), extra={"event": "drain_started"})
+        while self.pipeline.live and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        unfinished = len(self.pipeline.live)
+        left = max(1.0, end - time.monotonic())
+        flushed = await asyncio.gather(*(d.drain(left) for d in list(self.dispatchers.values())))
+        out = {
+            "requests_unfinished": unfinished,
+            "batchers_left_pending": sum(1 for ok in flushed if not ok),
+            "ms": round((time.monotonic() - t0) * 1000),
+        }
+        log.info("drained %s", json.dumps(out), extra={"event": "drained"})
+        return out
+
     async def stop(self, drain: bool = True) -> None:
         # Every loop of this replica also ends on `draining`: a cancel that lands inside a gRPC call
         # comes back as an RPC error (grpc.aio swallows the CancelledError), which the loops count
@@ -273,6 +300,7 @@ class Replica:
             if lease is not None
             else (lambda: not self.draining and wid in self.leases.owned()),
             on_health=self._on_health,
+            on_status=self._audit,
         )
         self.pollers[wid] = poller
         poller.start()
@@ -292,6 +320,11 @@ class Replica:
             )
             self.dispatchers[wid] = d
             d.start()
+
+    async def _audit(self, wid: str, st: dict[str, Any]) -> None:
+        d = self.dispatchers.get(wid)
+        if d is not None:
+            await d.audit_ledger(st)
 
     async def _on_lose(self, wid: str) -> None:
         self._lease_metric("owner", "lost")
@@ -331,6 +364,7 @@ class Replica:
     async def refresh_registry(self) -> None:
         await self.check_cluster_epoch()
         self.workers = await self.registry.list()
+        M.retain_workers(self.workers)  # series leave with their worker, whoever removed it
         for wid in list(self.clients):
             if wid not in self.workers:
                 with contextlib.suppress(Exception):
@@ -353,9 +387,7 @@ class Replica:
         for wid in ids:
             self.snapshot_time[wid] = now
         for wid, snap in self.snapshots.items():
-            if "kv_free_tokens" in snap:
-                M.WORKER_KV_FREE.labels(wid).set(float(snap["kv_free_tokens"]))
-            M.CACHE_MIRROR_BLOCKS.labels(wid).set(self.mirror.size(wid))
+            M.export_worker_snapshot(wid, snap, self.mirror.size(wid))
 
     async def _refresh_loop(self) -> None:
         interval = self.settings.poll_interval_ms / 1000

@@ -69,6 +69,7 @@ class Progress:
     t_first: float = 0.0
     prefill_ms: float = 0.0
     queue_ms: float = 0.0
+    handoffs: int = 0  # hand-offs made so far; each reply names the one it answers
 
 
 class StoredOutcome(Exception):
@@ -153,6 +154,8 @@ class Pipeline:
             raise ApiError(
                 "state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1
             )
+        if not r.accepting:
+            raise ApiError("draining", "this replica is shutting down; retry on another", retry_after_s=1)
         p = Progress(t0=time.perf_counter())
         rid = req.request_id
         task = asyncio.current_task()
@@ -250,10 +253,33 @@ class Pipeline:
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
             ) from None
+        retried = False
         for attempt in range(2):
-            reply = await self._prefill(
-                req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
-            )
+            try:
+                reply = await self._prefill(
+                    req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
+                )
+            except _NotStarted as ns:
+                # The whole batch failed before the worker accepted it: nothing ran, so the
+                # request may run elsewhere — once, on another worker (DESIGN §6).
+                if retried:
+                    raise ns.error from None
+                retried = True
+                others = [v for v in self.views("prefill") if v.id != pchoice.worker_id]
+                try:
+                    hits = r.mirror.match(keys, [v.id for v in others], time.time() * 1000)
+                    pchoice = r.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), others, self.rng)
+                except NoWorker:
+                    raise ns.error from None
+                M.PREFILL_RETRIES.inc()
+                log.info(
+                    "prefill batch failed before it started; retrying on %s",
+                    pchoice.worker_id,
+                    extra={"request_id": rid, "trace_id": req.trace_id},
+                )
+                reply = await self._prefill(
+                    req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
+                )
             first = int(reply["first_token"])
             if attempt == 0:
                 p.output_ids.append(first)
@@ -288,6 +314,9 @@ class Pipeline:
         r = self.r
         rid = req.request_id
         p.prefill_worker = wid
+        p.handoffs += 1
+        attempt = p.handoffs
+        r.replies.forget(rid)  # a late reply to an earlier hand-off must not answer this one
         fut = r.replies.expect(rid)
         deadline = time.time() * 1000 + req.timeout_ms
         meta = {
@@ -298,6 +327,7 @@ class Pipeline:
             "trace": req.trace_id,
             "t": round(time.time(), 6),
             "hit": hit_tokens,
+            "att": attempt,
         }
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         entry, queued = await self.handoff.append(
@@ -315,10 +345,15 @@ class Pipeline:
         r.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
         r.wake_owner(wid)
         reply = await fut
+        while reply.get("att", str(attempt)) != str(attempt):  # stale: an earlier hand-off's answer
+            reply = await r.replies.expect(rid)
         status = reply.get("status", "")
         if status != "ok":
             code = ENGINE_TO_API.get(status, "worker_error")
-            raise ApiError(code, f"prefill on {wid} ended {status}: {reply.get('error', '')}".strip())
+            err = ApiError(code, f"prefill on {wid} ended {status}: {reply.get('error', '')}".strip())
+            if reply.get("not_started") == "1" and status != "cancelled":
+                raise _NotStarted(err)
+            raise err
         p.stage = "prefilled"
         p.t_first = time.perf_counter()
         # Finished on the worker: our hand-off is no longer queued there (the owner took it), and
@@ -470,3 +505,11 @@ class Pipeline:
                 "event": event,
             },
         )
+
+
+class _NotStarted(Exception):
+    """A prefill hand-off whose batch failed before the worker accepted it."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error

@@ -350,6 +350,23 @@ class StateStore:
         ]
         return int(await self._run("transition", [self.keys.request(request_id)], args)) == 1
 
+    async def transition_many(
+        self, request_ids: Sequence[str], to_state: str, fields: Mapping[str, Any] | None = None
+    ) -> None:
+        """The same forward (non-terminal) step for several requests in one round trip: the owner
+        marks a committed batch's members `dispatched`. Refusals (already further on, or ended)
+        are expected and ignored."""
+        rank = _RANK[to_state]
+        assert to_state not in TERMINAL
+        script = self._scripts["transition"]
+        extra = _flatten(fields, _REQUEST_RESERVED)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in request_ids:
+                args = [to_state, rank, "0", int(self.lifecycle_ttl_s), "", *extra]
+                pipe.evalsha(script.sha, 1, self.keys.request(rid), *args)
+            await pipe.execute(raise_on_error=False)
+        self.commands_total += len(request_ids)
+
     async def get_request(self, request_id: str) -> dict[str, Any] | None:
         """The lifecycle record. Values are strings, except `outcome`, which is decoded from JSON."""
         self.commands_total += 1

@@ -1,0 +1,279 @@
+"""Batching under load and at the edges of a request's life, through real replicas, Redis and
+Triton workers: the in-flight cap seen from the worker, nothing left owed or reserved after 1,000
+requests, cancel of a member waiting in the owner's batcher, and a replica's graceful drain."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import time
+from typing import Any
+
+import httpx
+import redis
+
+from app.rpc.worker_client import WorkerClient
+from app.state.handoff import GROUP
+from app.state.keys import Keys
+
+from .gateways import ADMIN_TOKEN, Gateway, wait_for
+from .test_batching_live import one_prefill_cluster  # noqa: F401  (shared fixture)
+
+H = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+def _metric(gw: Gateway, name: str, **labels: str) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    total = 0.0
+    for line in gw.get("/metrics").text.splitlines():
+        if line.startswith(name + ("{" if labels else " ")) or line.startswith(name + "{"):
+            if want and not all(f'{k}="{v}"' in line for k, v in labels.items()):
+                continue
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def _configure(gw: Gateway, **cfg: Any) -> None:
+    before = gw.log().count("runtime config v")
+    assert httpx.put(gw.url + "/admin/config", json=cfg, headers=H).status_code == 200
+    wait_for(lambda: gw.log().count("runtime config v") > before, 5, what="config applied")
+
+
+async def _worker(addr: str, **kw: Any) -> dict[str, Any]:
+    c = WorkerClient(addr)
+    try:
+        if kw:
+            await c.configure(**kw)
+        return await c.status(0)
+    finally:
+        await c.close()
+
+
+def _prefill_addr(gw: Gateway) -> str:
+    wid = next(w for w in gw.get("/admin/workers", admin=True).json()["workers"] if w.startswith("prefill"))
+    return wid.split("@", 1)[1]
+
+
+def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped(
+    one_prefill_cluster,  # noqa: F811
+    shared_embedded_redis,
+    cluster,
+) -> None:
+    """1,000 requests from both replicas, 48 at a time, over one prefill worker with a real
+    per-batch cost: the worker, sampled every few ms, never holds more than
+    `max_inflight_batches` batches; within 100 ms of the last reply every ledger and reservation
+    is empty; the owner's late-settlement audit never had to act (settle on reply did it all)."""
+    a, b = one_prefill_cluster
+    paddr = _prefill_addr(a)
+    asyncio.run(_worker(paddr, formula="12 + sum(0.002*computeTokens)"))
+    _configure(a, max_inflight_batches=2, batch_max_size=8)
+    rng = random.Random(7)
+    n, conc = 1000, 48
+    keys = Keys(cluster)
+    r = redis.Redis.from_url(shared_embedded_redis)
+    wids = list(a.get("/admin/workers", admin=True).json()["workers"])
+
+    async def run() -> tuple[list[httpx.Response], list[int], float]:
+        sem = asyncio.Semaphore(conc)
+        samples: list[int] = []
+        done = asyncio.Event()
+
+        async def sampler() -> None:
+            c = WorkerClient(paddr)
+            try:
+                while not done.is_set():
+                    st = await c.status(10**12)  # no records, just the live view
+                    samples.append(len(st["live"]))
+                    await asyncio.sleep(0.005)
+            finally:
+                await c.close()
+
+        async def one(i: int, c: httpx.AsyncClient) -> httpx.Response:
+            gw = a if i % 2 else b
+            body = {"prompt": f"load {i} " + "z" * rng.randint(20, 400), "max_new_tokens": 1 + (i % 3)}
+            async with sem:
+                return await c.post(gw.url + "/v1/generate", json=body)
+
+        limits = httpx.Limits(max_connections=conc * 2)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as c:
+            s = asyncio.create_task(sampler())
+            resps = await asyncio.gather(*(one(i, c) for i in range(n)))
+            t_last = time.monotonic()
+            done.set()
+            await s
+        return resps, samples, t_last
+
+    resps, samples, t_last = asyncio.run(run())
+    bad = [x.json() for x in resps if x.status_code != 200]
+    assert not bad, (len(bad), bad[:3])
+    assert max(samples) <= 2, max(samples)
+    assert max(samples) == 2 and len(samples) > 50  # the sampler saw the cap actually reached
+
+    def empty() -> bool:
+        for w in wids:
+            if r.hlen(keys.ledger(w)):
+                return False
+            total = r.hget(keys.reservations(w), "_total")
+            if total is not None and int(float(total)) != 0:
+                return False
+        return True
+
+    wait_for(empty, 2.0, interval=0.002, what="ledgers and reservations empty")
+    settled_after_ms = (time.monotonic() - t_last) * 1000
+    assert settled_after_ms <= 100, settled_after_ms
+    for gw in (a, b):
+        for path in ("ttl", "missed", "record"):
+            assert _metric(gw, "flexlb_ledger_late_settled_total", path=path) == 0, (gw.replica_id, path)
+    sizes = [x.json()["batch_size"] for x in resps]
+    assert max(sizes) > 1  # the load did batch
+
+
+def test_cancel_of_a_member_waiting_in_the_batcher_never_reaches_the_worker(
+    one_prefill_cluster,  # noqa: F811
+    shared_embedded_redis,
+    cluster,
+) -> None:
+    """The worker is busy and the in-flight cap is reached, so three requests wait in the owner's
+    batcher; one is cancelled from the OTHER replica. Its tombstone makes the owner's fenced commit
+    drop it: the worker never sees it, its batch mates complete, and it ends `cancelled`."""
+    a, b = one_prefill_cluster
+    paddr = _prefill_addr(a)
+    _configure(a, max_inflight_batches=1, batch_max_size=8)
+    asyncio.run(_worker(paddr, formula="1500"))
+    tag = f"{random.getrandbits(32):08x}"
+    wid = next(w for w in a.get("/admin/workers", admin=True).json()["workers"] if w.startswith("prefill"))
+    r = redis.Redis.from_url(shared_embedded_redis)
+    qkey = Keys(cluster).queue(wid)
+
+    def owner_holds(n: int) -> bool:
+        """The owner has read n hand-offs it has not settled yet (in its batcher or dispatched)."""
+        return int(r.xpending(qkey, GROUP)["pending"]) == n
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response, dict]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            blocker = asyncio.create_task(
+                c.post(a.url + "/v1/generate", json={"prompt": "blocker " * 30, "max_new_tokens": 2})
+            )
+            await _until(lambda: _live_batches(paddr), 5)
+            ids = [f"wait-{tag}-{i}" for i in range(3)]
+            waiting = [
+                asyncio.create_task(
+                    c.post(
+                        a.url + "/v1/generate",
+                        json={"prompt": f"w{i} " * 40, "max_new_tokens": 2, "request_id": rid},
+                    )
+                )
+                for i, rid in enumerate(ids)
+            ]
+            await _until(lambda: owner_holds(4), 5)  # the blocker + the three waiting ones
+            assert len(await _live_batches(paddr)) == 1  # still only the blocker on the worker
+            assert (await c.get(b.url + f"/v1/requests/{ids[1]}")).json()["state"] == "queued"
+            cancel = await c.delete(b.url + f"/v1/requests/{ids[1]}")
+            done = await asyncio.gather(blocker, *waiting)
+            rec = (await c.get(b.url + f"/v1/requests/{ids[1]}")).json()
+            return list(done), cancel, rec
+
+    done, cancel, rec = asyncio.run(run())
+    assert cancel.status_code in (200, 202), cancel.text
+    blocker, first, cancelled, third = done
+    assert blocker.status_code == 200 and first.status_code == 200 and third.status_code == 200
+    assert cancelled.status_code == 499 and cancelled.json()["error"]["code"] == "cancelled"
+    assert rec["state"] == "cancelled", rec
+    mate = asyncio.run(_get(b, f"wait-{tag}-0"))
+    assert mate["state"] == "completed" and mate.get("batch_id") == first.json()["batch_id"], mate
+    assert first.json()["batch_id"] == third.json()["batch_id"]  # the two mates ran together
+    finished = asyncio.run(_all_finished(paddr))
+    assert f"wait-{tag}-1" not in {f["request_id"] for f in finished}, "the cancelled one reached the worker"
+    assert sum(1 for f in finished if f["request_id"].startswith(f"wait-{tag}")) == 2
+    asyncio.run(_worker(paddr, formula="1"))
+
+
+def test_sigterm_drains_requests_then_hands_leases_over(one_prefill_cluster) -> None:  # noqa: F811
+    """SIGTERM the replica that owns the workers while requests run through it and through the
+    other replica: /readyz turns false at once, a new request gets 503 `draining`, both running
+    requests complete, the process exits, and the survivor takes the leases and serves."""
+    a, b = one_prefill_cluster
+    paddr = _prefill_addr(a)
+    asyncio.run(_worker(paddr, formula="1500"))
+
+    async def run() -> tuple[list[httpx.Response], dict, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as c:
+            running = [
+                asyncio.create_task(
+                    c.post(gw.url + "/v1/generate", json={"prompt": f"drain {i} " * 30, "max_new_tokens": 3})
+                )
+                for i, gw in enumerate((a, b))
+            ]
+            await _until(lambda: _live_batches(paddr), 5)
+            a.proc.send_signal(signal.SIGTERM)
+
+            async def not_ready() -> dict | None:
+                body = (await c.get(a.url + "/readyz")).json()
+                return body if not body["ready"] else None
+
+            ready = await _until(not_ready, 3)
+            refused = await c.post(a.url + "/v1/generate", json={"prompt": "late", "max_new_tokens": 2})
+            return list(await asyncio.gather(*running)), ready, refused
+
+    done, ready, refused = asyncio.run(run())
+    assert "draining" in ready["reasons"]
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    assert [x.status_code for x in done] == [200, 200], [x.text for x in done]
+    assert a.proc.wait(20) is not None
+    drained = [json.loads(x) for x in a.log().splitlines() if '"event": "drained"' in x]
+    assert len(drained) == 1 and '"requests_unfinished": 0' in drained[0]["msg"], drained
+    asyncio.run(_worker(paddr, formula="1"))
+
+    def b_owns_all() -> bool:
+        ws = b.get("/admin/workers", admin=True).json()["workers"]
+        return all(info["owner"] == b.replica_id for info in ws.values())
+
+    wait_for(b_owns_all, 10, interval=0.1, what="survivor owns every worker")
+    after = httpx.post(
+        b.url + "/v1/generate", json={"prompt": "after " * 20, "max_new_tokens": 2}, timeout=30
+    )
+    assert after.status_code == 200, after.text
+
+
+async def _until(cond: Any, timeout: float) -> Any:
+    """Bounded async poll on a (possibly async) condition."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v:
+            return v
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+async def _live_batches(addr: str) -> list[dict]:
+    c = WorkerClient(addr)
+    try:
+        return (await c.status(10**12))["live"]
+    finally:
+        await c.close()
+
+
+async def _all_finished(addr: str) -> list[dict]:
+    """Every finished record the worker still holds, paged (a status page is bounded)."""
+    c = WorkerClient(addr)
+    out: list[dict] = []
+    try:
+        since = 0
+        while True:
+            st = await c.status(since)
+            out += st["finished"]
+            if not st.get("more") or not st["finished"]:
+                return out
+            since = st["finished"][-1]["seq"]
+    finally:
+        await c.close()
+
+
+async def _get(gw: Gateway, rid: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return (await c.get(gw.url + f"/v1/requests/{rid}")).json()
