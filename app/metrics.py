@@ -4,6 +4,8 @@ set is known, per-worker series removed with their worker."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -51,11 +53,23 @@ CACHE_MIRROR_BLOCKS = Gauge(
 
 
 def remove_worker_series(worker: str) -> None:
-    for g in (WORKER_UP, WORKER_KV_FREE, CACHE_MIRROR_BLOCKS):
+    """Drop every series labelled with ``worker``: a removed worker must not linger on dashboards as
+    a frozen value, and the label set stays bounded by the registry, not by history."""
+    for m in _per_worker():
         with contextlib.suppress(KeyError):
-            g.remove(worker)
-    with contextlib.suppress(KeyError):
-        WORKER_EPOCH_CHANGES.remove(worker)
+            m.remove(worker)
+
+
+def retain_workers(current: Iterable[str]) -> None:
+    """Remove the series of every worker not in ``current`` (the registry just read). Called on each
+    registry refresh, so a worker removed through any replica, or while this replica was away,
+    loses its series here too — not only on the replica whose admin call removed it."""
+    keep = set(current)
+    for m in _per_worker():
+        seen = {s.labels.get("worker") for fam in m.collect() for s in fam.samples}
+        for w in seen - keep - {None}:
+            with contextlib.suppress(KeyError):
+                m.remove(w)
 
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -149,3 +163,169 @@ CLAIMED = Counter(
 )
 for _o in ("delivered", "adopted", "redispatched"):
     CLAIMED.labels(_o)
+
+PREFILL_RETRIES = Counter(
+    "flexlb_prefill_retries_total",
+    "Requests re-routed once because their prefill batch failed before the worker accepted it",
+    registry=REGISTRY,
+)
+
+LEDGER_LATE_SETTLED = Counter(
+    "flexlb_ledger_late_settled_total",
+    "Ledger members settled by the owner's audit, not by their reply (record, missed, ttl)",
+    ["path"],
+    registry=REGISTRY,
+)
+for _path in ("record", "missed", "ttl"):
+    LEDGER_LATE_SETTLED.labels(_path)
+
+
+# ---- per-worker load, exported from the shared snapshots ---------------------------------------
+# Every replica reads the snapshot each worker's owner publishes in Redis and exports the same
+# values, so one scrape of any replica shows the whole cluster; dashboards take `max by (worker)`.
+WORKER_QUEUE_LEN = Gauge(
+    "flexlb_worker_queue_len",
+    "Work waiting on the worker: queued batches (prefill) or waiting sequences (decode)",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_QUEUED = Gauge(
+    "flexlb_worker_queued_seconds",
+    "Predicted prefill time (modelled) waiting in the worker's hand-off queue",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_OWED = Gauge(
+    "flexlb_worker_owed_seconds",
+    "Predicted time (modelled) still owed by batches committed to the worker",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_INFLIGHT_BATCHES = Gauge(
+    "flexlb_worker_inflight_batches",
+    "Prefill batches committed to the worker and not yet settled",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_RUNNING = Gauge(
+    "flexlb_worker_running", "Sequences decoding on the worker (decode)", ["worker"], registry=REGISTRY
+)
+WORKER_RESERVED = Gauge(
+    "flexlb_worker_reserved_tokens",
+    "Decode KV tokens reserved by routed, unfinished requests",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_KV_TOTAL = Gauge(
+    "flexlb_worker_kv_total_tokens", "KV capacity of the worker in tokens", ["worker"], registry=REGISTRY
+)
+
+_SNAPSHOT_GAUGES: tuple[tuple[Gauge, str, float], ...] = (
+    (WORKER_KV_FREE, "kv_free_tokens", 1.0),
+    (WORKER_KV_TOTAL, "kv_total_tokens", 1.0),
+    (WORKER_QUEUE_LEN, "queue_len", 1.0),
+    (WORKER_QUEUED, "queued_ms", 0.001),
+    (WORKER_OWED, "owed_ms", 0.001),
+    (WORKER_INFLIGHT_BATCHES, "inflight_batches", 1.0),
+    (WORKER_RUNNING, "running", 1.0),
+    (WORKER_RESERVED, "reserved_tokens", 1.0),
+)
+
+
+def export_worker_snapshot(worker: str, snap: Mapping[str, Any], mirror_blocks: int) -> None:
+    """Set the worker's gauges from its published snapshot (fields missing until its owner's first
+    poll are left unset rather than exported as a misleading 0)."""
+    for gauge, field, scale in _SNAPSHOT_GAUGES:
+        v = snap.get(field)
+        if v is None or v == "":
+            continue
+        try:
+            gauge.labels(worker).set(float(v) * scale)
+        except ValueError:
+            continue
+    if snap.get("health"):
+        WORKER_UP.labels(worker).set(1 if snap["health"] == "up" else 0)
+    CACHE_MIRROR_BLOCKS.labels(worker).set(mirror_blocks)
+    WORKER_EPOCH_CHANGES.labels(worker)  # a 0 series from the start, so increase() sees the first restart
+
+
+# ---- rejections, batch prediction, cache hits ---------------------------------------------------
+REJECTIONS = Counter(
+    "flexlb_rejections_total",
+    "Error responses sent to clients before any streaming, by error code",
+    ["reason"],
+    registry=REGISTRY,
+)  # label values pre-registered from the error model in app/gateway/errors.py
+_BATCH_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_PREDICTED = Histogram(
+    "flexlb_batch_predicted_seconds",
+    "The owner's predicted prefill time of each dispatched batch (modelled seconds)",
+    buckets=_BATCH_S,
+    registry=REGISTRY,
+)
+BATCH_ACTUAL = Histogram(
+    "flexlb_batch_actual_seconds",
+    "Prefill time the worker reported for each batch (modelled seconds)",
+    buckets=_BATCH_S,
+    registry=REGISTRY,
+)
+BATCH_TIME_RATIO = Histogram(
+    "flexlb_batch_time_ratio",
+    "Actual ÷ predicted prefill time per batch (1 = the formula is exact)",
+    buckets=(0.25, 0.5, 0.75, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0),
+    registry=REGISTRY,
+)
+ROUTED_PROMPT_TOKENS = Counter(
+    "flexlb_routed_prompt_tokens_total",
+    "Prompt tokens dispatched to prefill workers",
+    registry=REGISTRY,
+)
+ROUTED_HIT_TOKENS = Counter(
+    "flexlb_routed_cache_hit_tokens_total",
+    "Prompt tokens the router expected to be cached on the chosen worker (its mirror's view)",
+    registry=REGISTRY,
+)
+PREFILL_INPUT_TOKENS = Counter(
+    "flexlb_prefill_input_tokens_total",
+    "Prompt tokens of prefills the workers finished",
+    registry=REGISTRY,
+)
+PREFILL_CACHED_TOKENS = Counter(
+    "flexlb_prefill_cached_tokens_total",
+    "Prompt tokens the workers served from their prefix cache (the actual hits)",
+    registry=REGISTRY,
+)
+
+
+def observe_dispatch(items: Iterable[tuple[int, int]]) -> None:
+    """``(prompt_tokens, expected_hit_tokens)`` of each request of a batch being dispatched."""
+    for n, hit in items:
+        ROUTED_PROMPT_TOKENS.inc(n)
+        ROUTED_HIT_TOKENS.inc(max(0, hit))
+
+
+def observe_batch_results(predicted_ms: float, results: list[dict[str, Any]]) -> None:
+    """The worker's results of one batch: its run time (all members share the batch's modelled
+    start and end) against the prediction, and the cache hits it actually found."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    if not ok:
+        return
+    for r in ok:
+        PREFILL_INPUT_TOKENS.inc(max(0, int(r.get("input_tokens", 0))))
+        PREFILL_CACHED_TOKENS.inc(max(0, int(r.get("cached_tokens", 0))))
+    actual_ms = max(float(r["end_ms"]) for r in ok) - min(float(r["start_ms"]) for r in ok)
+    if actual_ms < 0 or predicted_ms <= 0:
+        return
+    BATCH_PREDICTED.observe(predicted_ms / 1000)
+    BATCH_ACTUAL.observe(actual_ms / 1000)
+    BATCH_TIME_RATIO.observe(actual_ms / predicted_ms)
+
+
+def _per_worker() -> tuple[Any, ...]:
+    return (
+        WORKER_UP,
+        WORKER_KV_FREE,
+        CACHE_MIRROR_BLOCKS,
+        WORKER_EPOCH_CHANGES,
+        *(g for g, _, _ in _SNAPSHOT_GAUGES if g is not WORKER_KV_FREE),
+    )
