@@ -153,6 +153,7 @@ def run_stack(
         with ThreadPoolExecutor(max(1, len(workers))) as ex:  # workers start in parallel (~6 s each)
             for f in [ex.submit(_worker_ready, w, 90) for w in workers]:
                 f.result()
+        phases = {"workers_s": time.monotonic() - t0}
         for i, g in enumerate(gws):
             _wait_http(g, f"http://127.0.0.1:{port + i}/healthz", 30)
         spec = ",".join(f"{w.name.split('-')[0]}@{w.info['address']}" for w in workers)
@@ -165,6 +166,8 @@ def run_stack(
         ).raise_for_status()
         for i, g in enumerate(gws):
             _wait_http(g, f"http://127.0.0.1:{port + i}/readyz", 30, ready=True)
+        phases["ready_s"] = time.monotonic() - t0
+        _write_manifest(log_dir / "stack.json", port, gws, workers, redis_url, phases)
         _banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0)
         while not stop.wait(0.5):
             for p in procs:
@@ -193,6 +196,34 @@ def run_stack(
     return rc
 
 
+def _write_manifest(
+    path: Path, port: int, gws: list[Proc], workers: list[Proc], redis_url: str, phases: dict[str, float]
+) -> None:
+    """Every endpoint the stack serves (the workers' ports are picked at start), for tools that
+    attach to it: a Prometheus scrape config, the smoke test, a script. No secret goes in it."""
+    doc = {
+        "redis_url": redis_url,
+        "gateways": [
+            {"name": g.name, "url": f"http://127.0.0.1:{port + i}", "pid": g.popen.pid}
+            for i, g in enumerate(gws)
+        ],
+        "workers": [
+            {
+                "name": w.name,
+                "role": w.info.get("role"),
+                "address": w.info.get("address"),
+                "grpc_port": w.info.get("grpc_port"),
+                "http_port": w.info.get("http_port"),
+                "metrics_port": w.info.get("metrics_port"),
+                "pid": w.popen.pid,
+            }
+            for w in workers
+        ],
+        "startup": {k: round(v, 2) for k, v in phases.items()},
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def _banner(
     port: int, n: int, token: str, redis_url: str, workers: list[Proc], log_dir: Path, secs: float
 ) -> None:
@@ -204,7 +235,7 @@ FlexLB is up in {secs:.1f} s
   gateways     {urls}
   redis        {redis_url}
   admin token  {token}
-  logs         {log_dir}/
+  logs         {log_dir}/ (every port, Triton metrics included: {log_dir}/stack.json)
 workers:
 {ws}
 

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_fastapi_instrumentator import Instrumentator
 
 from app import metrics as M
 from app.api.routes import router as api_router
@@ -43,6 +44,11 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     install_error_handlers(app)
     app.include_router(admin_router)
     app.include_router(api_router)
+    # HTTP metrics by route template (bounded labels, status grouped as 2xx/4xx/5xx), exported through
+    # our registry and /metrics; probes and scrapes are left out so they do not drown the traffic.
+    Instrumentator(registry=M.REGISTRY, excluded_handlers=["/metrics", "/healthz", "/readyz"]).instrument(
+        app, metric_namespace="flexlb"
+    )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
