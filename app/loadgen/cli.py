@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from app.loadgen.gateway import AdminClient, GatewayError, GatewayInfo, LagMonitor
+from app.loadgen.gateway import AdminClient, FacadeStatus, GatewayError, GatewayInfo, LagMonitor
 from app.loadgen.plan import build_plan, clip_outputs, poisson_retime
 from app.loadgen.prompts import BlockSizeError, PromptSynth, check_block_size
 from app.loadgen.replay import ReplayConfig, ReplayStats, replay
@@ -34,6 +34,7 @@ from app.traces import (
 #: Engines that woke later than this share of a typical TTFT (mean sampled lag / TTFT p50) did not
 #: keep the modelled schedule, so the run measured the machine, not the policy.
 MAX_LAG_RATIO = 0.05
+_API_PATH = {"native": "/v1/generate", "completions": "/v1/completions"}
 
 
 class BenchSettings(BaseSettings):
@@ -68,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: the gateway's)")
     p.add_argument("--lag-interval-s", type=float, default=1.0, help="engine-lag sampling interval")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    peer = p.add_argument_group("other routers (no FlexLB admin API: bench/compare_routers.sh)")
+    peer.add_argument("--api", default="native", choices=["native", "completions"], help="client API")
+    peer.add_argument("--peer-name", default=None, help="results name; skips the FlexLB admin API")
+    peer.add_argument(
+        "--facade-status", default=None, help="comma-separated facade URLs for block size, KV and lag"
+    )
+    peer.add_argument("--worker-block-size", type=int, default=64, help="peer mode: workers' block size")
     g = p.add_argument_group("synthetic load (--synthetic N)")
     g.add_argument("--prefix-groups", type=int, default=8, help="shared prefixes")
     g.add_argument("--prefix-blocks", type=int, default=16, help="blocks per shared prefix")
@@ -88,6 +96,8 @@ def _validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--concurrency-limit must be >= 1 and --timeout-s > 0")
     if args.max_output_tokens is not None and args.max_output_tokens < 1:
         parser.error("--max-output-tokens must be >= 1")
+    if args.peer_name and not args.facade_status:
+        parser.error("--peer-name needs --facade-status (the simulated workers' facade URLs)")
 
 
 def prepare_trace(args: argparse.Namespace, info: GatewayInfo, seed: int) -> Trace:
@@ -219,7 +229,7 @@ def build_results(
         "client_send_lag_p99_ms": percentile(stats.send_lag_ms, 99),
         "client_slot_waits": stats.slot_waits,
         "prompt_token_mismatches": stats.prompt_token_mismatches,
-        "measurement": "client-side, streamed /v1/generate: TTFT = first token event - send",
+        "measurement": f"client-side, streamed {_API_PATH[args.api]}: TTFT = first token event - send",
         "notes": notes,
         "gateway_config": info.config,
     }
@@ -230,8 +240,14 @@ async def run_bench(args: argparse.Namespace) -> int:
     token = args.admin_token or BenchSettings().admin_token
     seed = args.seed if args.seed is not None else secrets.randbits(31)
     async with httpx.AsyncClient() as http:
-        admin = AdminClient(http, args.url, token)
-        info = await admin.info()
+        admin: AdminClient | FacadeStatus
+        if args.peer_name:
+            urls = [u for u in args.facade_status.split(",") if u]
+            admin = FacadeStatus(http, urls, args.worker_block_size)
+            info = await admin.info(args.url, args.peer_name)
+        else:
+            admin = AdminClient(http, args.url, token)
+            info = await admin.info()
         trace = prepare_trace(args, info, seed)
         if not trace.requests:
             raise GatewayError("nothing to replay: the slice is empty")
@@ -244,6 +260,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             concurrency_limit=args.concurrency_limit,
             model=args.model,
+            api=args.api,
         )
         lag = LagMonitor(admin, interval_s=args.lag_interval_s)
         await lag.start()

@@ -139,6 +139,53 @@ class AdminClient:
         )
 
 
+class FacadeStatus:
+    """Worker views read straight from simulated workers' HTTP facades (`GET /_facade/status`),
+    for runs through a third-party router, which has no FlexLB admin API."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: list[str], block_size: int) -> None:
+        self.client = client
+        self.urls = [u.rstrip("/") for u in urls]
+        self.block_size = block_size
+
+    async def workers(self) -> tuple[WorkerView, ...]:
+        out = []
+        for u in self.urls:
+            try:
+                d = (await self.client.get(u + "/_facade/status", timeout=5.0)).json()
+            except (httpx.HTTPError, ValueError) as exc:
+                raise GatewayError(f"facade {u} unreachable: {exc!r}") from exc
+            out.append(
+                WorkerView(
+                    worker_id=str(d.get("name", u)),
+                    role=str(d.get("role", "")),
+                    block_size=self.block_size,
+                    kv_total_tokens=int(_f(d.get("kv_total_tokens"), 0)),
+                    time_scale=_f(d.get("time_scale"), 1.0),
+                    health="up",
+                    lag_ms=_f(d.get("lag_ms")),
+                    max_lag_ms=_f(d.get("max_lag_ms")),
+                )
+            )
+        return tuple(out)
+
+    async def info(self, url: str, policy_name: str) -> GatewayInfo:
+        """A stand-in for a gateway's info: the policy is whatever the caller names it."""
+        workers = await self.workers()
+        if not any(w.role == "prefill" for w in workers):
+            raise GatewayError("no prefill facade among --facade-status URLs")
+        strategy, _, mode = policy_name.partition("+")
+        return GatewayInfo(
+            url=url,
+            prefill_strategy=strategy,
+            decode_strategy="(router's)",
+            schedule_mode=mode or "engine",
+            batch_algorithm="(engine)",
+            workers=workers,
+            config={"peer": policy_name},
+        )
+
+
 @dataclass
 class LagMonitor:
     """Samples the workers' engine lag while the run lasts.
@@ -149,7 +196,7 @@ class LagMonitor:
     worker may carry an old spike from before).
     """
 
-    admin: AdminClient
+    admin: AdminClient | FacadeStatus
     interval_s: float = 1.0
     samples: list[float] = field(default_factory=list)
     max_before: dict[str, float] = field(default_factory=dict)

@@ -44,6 +44,7 @@ class ReplayConfig:
     timeout_s: float = 600.0
     concurrency_limit: int = 256
     model: str | None = None
+    api: str = "native"  # native: FlexLB /v1/generate; completions: OpenAI /v1/completions (peers)
 
 
 def _error_code(resp_body: bytes, status: int) -> str:
@@ -52,6 +53,19 @@ def _error_code(resp_body: bytes, status: int) -> str:
         return str(err.get("code") or f"http_{status}")
     except (ValueError, KeyError, TypeError):
         return f"http_{status}"
+
+
+def _from_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI usage chunk in the shape of the native final event. The simulated workers'
+    facade adds which workers served the request (`flexlb_workers`); other servers do not."""
+    details = usage.get("prompt_tokens_details") or {}
+    workers = usage.get("flexlb_workers") or {}
+    return {
+        "usage": usage,
+        "cached_tokens": details.get("cached_tokens") or 0,
+        "prefill_worker": workers.get("prefill"),
+        "decode_worker": workers.get("decode"),
+    }
 
 
 async def send_one(
@@ -63,15 +77,28 @@ async def send_one(
 ) -> RequestRecord:
     """One streamed request → one record (never raises: failures become the record's error code)."""
     rid = f"{cfg.run_id}-{p.index}"
-    body: dict[str, Any] = {
-        "prompt": prompt,
-        "max_new_tokens": p.max_tokens,
-        "stream": True,
-        "request_id": rid,
-        "timeout_ms": int(cfg.timeout_s * 1000),
-    }
-    if cfg.model:
-        body["model"] = cfg.model
+    openai = cfg.api == "completions"
+    body: dict[str, Any]
+    if openai:
+        body = {
+            "model": cfg.model or "flexlb-sim",
+            "prompt": prompt,
+            "max_tokens": p.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        path = "/v1/completions"
+    else:
+        body = {
+            "prompt": prompt,
+            "max_new_tokens": p.max_tokens,
+            "stream": True,
+            "request_id": rid,
+            "timeout_ms": int(cfg.timeout_s * 1000),
+        }
+        if cfg.model:
+            body["model"] = cfg.model
+        path = "/v1/generate"
     rec = RequestRecord(rid, p.due_ms, p.input_len, 0, None, None, None)
     t0 = time.perf_counter()
     t_first: float | None = None
@@ -79,7 +106,8 @@ async def send_one(
     n_tokens = 0
     final: dict[str, Any] | None = None
     try:
-        async with client.stream("POST", cfg.url.rstrip("/") + "/v1/generate", json=body) as resp:
+        headers = {"x-request-id": rid}
+        async with client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 rec.error = _error_code(await resp.aread(), resp.status_code)
                 return rec
@@ -94,15 +122,20 @@ async def send_one(
                 if "error" in ev:
                     rec.error = str(ev["error"].get("code") or "stream_error")
                     return rec
-                if ev.get("done"):
-                    final = ev
-                    continue
-                ids = ev.get("token_ids") or []
-                if ids:
+                if openai:
+                    if ev.get("usage"):
+                        final = _from_usage(ev["usage"])
+                    got = sum(len(c.get("text") or "") for c in ev.get("choices") or [])
+                else:
+                    if ev.get("done"):
+                        final = ev
+                        continue
+                    got = len(ev.get("token_ids") or [])
+                if got:
                     if t_first is None:
                         t_first = now
                     t_last = now
-                    n_tokens += len(ids)
+                    n_tokens += got
     except httpx.TimeoutException:
         rec.error = "client_timeout"
         return rec

@@ -1,0 +1,3 @@
+from workers.http_facade.server import main
+
+raise SystemExit(main())

@@ -1,0 +1,551 @@
+"""One simulated prefill or decode GPU behind the HTTP API that sglang-router and vllm-router call.
+
+Why a facade rather than a mock: the peer comparison must differ only in the router. The engine
+core, its prefix cache (hits computed from the prompt's own blocks), timing profile and decode
+continuous batching are FlexLB's `WorkerService` on its engine thread, exactly as inside the Triton
+workers; only the transport differs.
+
+What the routers need (learned from their docs and by watching their calls):
+- discovery and health: `/health`, `/health_generate`, `/get_server_info`, `/get_model_info`,
+  `/v1/models`, `/get_loads`, `/flush_cache`, `/metrics`;
+- work: `/generate` (SGLang native) and `/v1/completions` (OpenAI), streamed or not;
+- P/D, SGLang style: the router sends the same request to a prefill and a decode server at once,
+  with `bootstrap_host`/`bootstrap_port`/`bootstrap_room`. The prefill facade also listens on its
+  bootstrap port; the decode facade asks it there for the room's KV (waiting until prefill ends),
+  then models the transfer and decodes.
+- P/D, vLLM style: the router first sends the request to prefill with `max_tokens: 1` and
+  `kv_transfer_params.do_remote_decode`; the prefill answer carries `kv_transfer_params` naming
+  where the KV is (`remote_host`/`remote_port`/`remote_engine_id`), which the router hands to the
+  decode server with the original request.
+
+Engine-side batching: queued prompts are dispatched together whenever fewer than two batches are
+unfinished (one running, one waiting), as a real engine's scheduler admits every waiting prefill
+at its next step; without it the peers would run batch size 1 against FlexLB's batcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from app.protocol.blocks import block_keys
+from app.protocol.codes import EngineStatus
+from app.tokens.tokenizer import ByteTokenizer
+from workers.engine.decode import DecodeRequest
+from workers.engine.effects import PrefillResult
+from workers.engine.prefill import PrefillRequest
+from workers.server.runner import Subscriber
+from workers.server.service import WorkerConfig, WorkerService
+
+log = logging.getLogger("flexlb.facade")
+TOK = ByteTokenizer()
+MAX_INFLIGHT_BATCHES = 2
+KV_WAIT_S = 600.0
+
+
+@dataclass
+class KvInfo:
+    """What a decode server learns about a prefilled request (the facade's stand-in for KV)."""
+
+    request_id: str
+    input_tokens: int
+    cached_tokens: int
+    first_token: int
+    prefill_worker: str
+    status: str = EngineStatus.OK
+    error: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+@dataclass
+class _Pending:
+    req: PrefillRequest
+    fut: asyncio.Future[PrefillResult]
+
+
+@dataclass
+class Facade:
+    svc: WorkerService
+    name: str
+    host: str
+    port: int
+    model: str
+    bootstrap_port: int | None = None
+    pending: list[_Pending] = field(default_factory=list)
+    inflight: int = 0
+    rooms: dict[str, asyncio.Future[KvInfo]] = field(default_factory=dict)
+    http: httpx.AsyncClient | None = None
+    served: int = 0
+
+    # ---- prefill ----------------------------------------------------------------------------
+    async def prefill(self, rid: str, ids: list[int]) -> PrefillResult:
+        """Queue one prompt for the engine's next batch; its result when that batch ends."""
+        keys = block_keys(ids, self.svc.cfg.block_size, model=self.model, tokenizer=TOK.name)
+        fut: asyncio.Future[PrefillResult] = asyncio.get_running_loop().create_future()
+        self.pending.append(_Pending(PrefillRequest(rid, len(ids), tuple(keys)), fut))
+        self._flush()
+        return await fut
+
+    def _flush(self) -> None:
+        if not self.pending or self.inflight >= MAX_INFLIGHT_BATCHES:
+            return
+        batch, self.pending = self.pending, []
+        self.inflight += 1
+        asyncio.get_running_loop().create_task(self._run_batch(batch))
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        bid = f"b-{uuid.uuid4().hex[:12]}"
+        sub = Subscriber(asyncio.get_running_loop())
+        futs = {p.req.request_id: p.fut for p in batch}
+        try:
+            reqs = [p.req for p in batch]
+            await self.svc.runner.call(lambda: self.svc._submit_prefill(bid, reqs, sub))
+            while True:
+                item = await self.svc._next(sub)
+                if item is None:
+                    break
+                kind, payload = item
+                if kind == "results":
+                    for r in payload:
+                        f = futs.pop(r.request_id, None)
+                        if f is not None and not f.done():
+                            f.set_result(r)
+                else:
+                    break
+        except Exception as exc:  # engine thread gone: fail the members, never hang them
+            log.exception("prefill batch failed")
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(exc)
+        finally:
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(RuntimeError("prefill batch ended without a result"))
+            self.inflight -= 1
+            self._flush()
+
+    def room(self, key: str) -> asyncio.Future[KvInfo]:
+        f = self.rooms.get(key)
+        if f is None:
+            f = self.rooms[key] = asyncio.get_running_loop().create_future()
+        return f
+
+    async def release(self, rid: str) -> str:
+        out = await self.svc.runner.call(lambda: self.svc._release(rid))
+        return str(out.get("status"))
+
+    # ---- decode -----------------------------------------------------------------------------
+    async def fetch_kv(self, host: str, port: int, key: str, via: str) -> KvInfo:
+        """Ask the prefill facade for a room's (SGLang) or request's (vLLM) KV; release it there."""
+        assert self.http is not None
+        base = f"http://{host}:{port}/_facade"
+        r = await self.http.get(f"{base}/kv", params={via: key}, timeout=KV_WAIT_S + 5)
+        r.raise_for_status()
+        info = KvInfo(**r.json())
+        if info.status == EngineStatus.OK:
+            rel = await self.http.post(f"{base}/release", json={"request_id": info.request_id}, timeout=10)
+            if rel.json().get("status") != EngineStatus.OK:
+                info.status, info.error = EngineStatus.KV_EXPIRED, "KV handle expired before the fetch"
+        return info
+
+    async def decode(self, rid: str, kv: KvInfo, max_new: int) -> AsyncIterator[list[int]]:
+        """The first token (from prefill) at once, then the engine's decode chunks."""
+        yield [kv.first_token]
+        if max_new <= 1:
+            return
+        svc = self.svc
+        sub = Subscriber(asyncio.get_running_loop())
+        dreq = DecodeRequest(rid, kv.input_tokens, max_new - 1, first_index=1)
+        await svc.runner.call(lambda: svc._submit_decode(dreq, sub))
+        finished = False
+        try:
+            while True:
+                item = await svc._next(sub)
+                if item is None:
+                    raise RuntimeError("decode stream idle or worker stopping")
+                kind, ev = item
+                if kind == "tokens":
+                    yield list(ev.tokens)
+                else:
+                    finished = True
+                    if ev.reason not in ("length", "stop"):
+                        raise RuntimeError(f"decode ended {ev.reason}: {ev.error}")
+                    return
+        finally:
+            if not finished:
+                svc.runner.call_sync(lambda: svc._route(svc._core_d().cancel(rid, svc.runner.model_now())))
+
+
+# ---- request parsing ------------------------------------------------------------------------
+def _prompt_ids(body: dict[str, Any]) -> list[int]:
+    for k in ("input_ids", "prompt_token_ids"):
+        if isinstance(body.get(k), list):
+            return [int(x) for x in body[k]]
+    p = body.get("prompt", body.get("text"))
+    if isinstance(p, list):
+        p = p[0] if p and isinstance(p[0], str) else None if p and isinstance(p[0], list) else p
+        if isinstance(p, list):
+            return [int(x) for x in p]
+    if not isinstance(p, str) or not p:
+        raise ValueError("need a non-empty prompt/text or input_ids")
+    return TOK.encode(p)
+
+
+def _max_new(body: dict[str, Any]) -> int:
+    sp = body.get("sampling_params") or {}
+    for v in (sp.get("max_new_tokens"), body.get("max_tokens"), body.get("max_completion_tokens")):
+        if v is not None:
+            return max(1, int(v))
+    return 16
+
+
+def _rid(body: dict[str, Any], request: Request) -> str:
+    rid = body.get("rid") or body.get("request_id") or request.headers.get("x-request-id")
+    return str(rid) if rid else uuid.uuid4().hex
+
+
+def create_app(f: Facade) -> FastAPI:
+    app = FastAPI()
+    role = f.svc.cfg.role
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "model_path": f.model,
+            "served_model_name": f.model,
+            "tokenizer_path": None,
+            "disaggregation_mode": role,
+            "disaggregation_bootstrap_port": f.bootstrap_port,
+            "page_size": f.svc.cfg.block_size,
+            "dp_size": 1,
+            "tp_size": 1,
+            "version": "flexlb-facade",
+        }
+
+    @app.get("/get_model_info")
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": f.model, "tokenizer_path": None, "is_generation": True}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": f.model, "object": "model", "owned_by": "flexlb-facade"}]}
+
+    @app.get("/get_loads")
+    async def loads() -> dict[str, Any]:
+        kv = f.svc.core.kv_view()
+        return {"num_reqs": f.served, "num_waiting_reqs": len(f.pending), **kv}
+
+    @app.post("/flush_cache")
+    @app.get("/flush_cache")
+    async def flush() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("")
+
+    @app.get("/_facade/status")
+    async def status() -> dict[str, Any]:
+        r = f.svc.runner
+        return {
+            "name": f.name,
+            "role": role,
+            "time_scale": r.time_scale,
+            "block_size": f.svc.cfg.block_size,
+            "lag_ms": r.lag_ms,
+            "max_lag_ms": r.max_lag_ms,
+            **f.svc.core.kv_view(),
+        }
+
+    @app.get("/_facade/kv")
+    async def kv(room: str | None = None, request_id: str | None = None) -> dict[str, Any]:
+        key = f"room:{room}" if room is not None else f"rid:{request_id}"
+        fut = f.room(key)
+        try:
+            info = await asyncio.wait_for(asyncio.shield(fut), KV_WAIT_S)
+        except TimeoutError:
+            f.rooms.pop(key, None)
+            return KvInfo("", 0, 0, 0, f.name, "timeout", "prefill never arrived").as_dict()
+        f.rooms.pop(key, None)
+        return info.as_dict()
+
+    @app.post("/_facade/release")
+    async def release(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        return {"status": await f.release(str(body["request_id"]))}
+
+    async def handle(request: Request, openai: bool) -> Response:
+        body = await request.json()
+        try:
+            ids = _prompt_ids(body)
+        except (ValueError, TypeError) as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": "invalid_request"}}, status_code=400)
+        rid = _rid(body, request)
+        max_new = _max_new(body)
+        stream = bool(body.get("stream"))
+        f.served += 1
+        t0 = time.time()
+        if role == "prefill":
+            return await _serve_prefill(f, body, rid, ids, openai, stream, t0)
+        return await _serve_decode(f, body, rid, ids, max_new, openai, stream, t0)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await handle(request, openai=False)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, openai=True)
+
+    return app
+
+
+async def _serve_prefill(
+    f: Facade, body: dict[str, Any], rid: str, ids: list[int], openai: bool, stream: bool, t0: float
+) -> Response:
+    room = body.get("bootstrap_room")
+    key = f"room:{room}" if room is not None else f"rid:{rid}"
+    fut = f.room(key)
+    try:
+        res = await f.prefill(rid, ids)
+    except Exception as exc:
+        if not fut.done():
+            fut.set_result(KvInfo(rid, len(ids), 0, 0, f.name, "engine_error", str(exc)))
+        return JSONResponse({"error": {"message": str(exc), "code": "engine_error"}}, status_code=500)
+    info = KvInfo(rid, res.input_tokens, res.cached_tokens, res.first_token, f.name, res.status, res.error)
+    if not fut.done():
+        fut.set_result(info)
+    if res.status != EngineStatus.OK:
+        return JSONResponse({"error": {"message": res.error, "code": res.status}}, status_code=500)
+    ktp = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": rid,
+        "remote_block_ids": [],
+        "remote_host": f.host,
+        "remote_port": f.port,
+        "tp_size": 1,
+    }
+    text = TOK.decode([res.first_token])
+    usage = _usage(len(ids), 1, res.cached_tokens, f.name, None)
+    if openai:
+        doc = _completion(rid, f.model, text, "length", t0) | {"usage": usage, "kv_transfer_params": ktp}
+    else:
+        doc = {
+            "text": text,
+            "output_ids": [res.first_token],
+            "meta_info": _meta(rid, len(ids), 1, res.cached_tokens),
+        }
+    if not stream:
+        return JSONResponse(doc)
+
+    async def one() -> AsyncIterator[bytes]:
+        yield _sse(doc)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(one(), media_type="text/event-stream")
+
+
+async def _serve_decode(
+    f: Facade,
+    body: dict[str, Any],
+    rid: str,
+    ids: list[int],
+    max_new: int,
+    openai: bool,
+    stream: bool,
+    t0: float,
+) -> Response:
+    ktp = body.get("kv_transfer_params") or {}
+    try:
+        if body.get("bootstrap_room") is not None:
+            host = str(body.get("bootstrap_host") or "127.0.0.1")
+            kv = await f.fetch_kv(host, int(body["bootstrap_port"]), str(body["bootstrap_room"]), "room")
+        elif ktp.get("remote_engine_id"):
+            kv = await f.fetch_kv(
+                str(ktp.get("remote_host") or "127.0.0.1"),
+                int(ktp["remote_port"]),
+                str(ktp["remote_engine_id"]),
+                "request_id",
+            )
+        else:
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": "decode facade needs bootstrap_room or kv_transfer_params",
+                        "code": "invalid_request",
+                    }
+                },
+                status_code=400,
+            )
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return JSONResponse(
+            {"error": {"message": f"KV fetch failed: {exc!r}", "code": "kv_fetch"}}, status_code=502
+        )
+    if kv.status != EngineStatus.OK:
+        return JSONResponse({"error": {"message": kv.error, "code": kv.status}}, status_code=502)
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage")) or not openai
+    gen = f.decode(rid, kv, max_new)
+    if not stream:
+        out: list[int] = []
+        try:
+            async for toks in gen:
+                out.extend(toks)
+        except RuntimeError as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": "engine_error"}}, status_code=500)
+        usage = _usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
+        if openai:
+            return JSONResponse(_completion(rid, f.model, TOK.decode(out), "length", t0) | {"usage": usage})
+        return JSONResponse(
+            {
+                "text": TOK.decode(out),
+                "output_ids": out,
+                "meta_info": _meta(rid, len(ids), len(out), kv.cached_tokens),
+            }
+        )
+
+    async def events() -> AsyncIterator[bytes]:
+        out: list[int] = []
+        try:
+            async for toks in gen:
+                out.extend(toks)
+                if openai:
+                    yield _sse(_completion(rid, f.model, TOK.decode(toks), None, t0, chunk=True))
+                else:
+                    yield _sse(
+                        {
+                            "text": TOK.decode(out),
+                            "output_ids": toks,
+                            "meta_info": _meta(rid, len(ids), len(out), kv.cached_tokens),
+                        }
+                    )
+        except RuntimeError as exc:
+            yield _sse({"error": {"message": str(exc), "code": "engine_error"}})
+            return
+        if openai:
+            yield _sse(_completion(rid, f.model, "", "length", t0, chunk=True))
+            if include_usage:
+                usage = _usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
+                yield _sse(
+                    _completion(rid, f.model, "", None, t0, chunk=True) | {"choices": [], "usage": usage}
+                )
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def _usage(n_in: int, n_out: int, cached: int, prefill: str | None, decode: str | None) -> dict[str, Any]:
+    return {
+        "prompt_tokens": n_in,
+        "completion_tokens": n_out,
+        "total_tokens": n_in + n_out,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "flexlb_workers": {"prefill": prefill, "decode": decode},
+    }
+
+
+def _meta(rid: str, n_in: int, n_out: int, cached: int) -> dict[str, Any]:
+    return {"id": rid, "prompt_tokens": n_in, "completion_tokens": n_out, "cached_tokens": cached}
+
+
+def _completion(
+    rid: str, model: str, text: str, finish: str | None, t0: float, chunk: bool = False
+) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(t0),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen(1024)
+    s.setblocking(False)
+    return s
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m workers.http_facade", description=__doc__.split("\n")[0])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap-port", type=int, default=None, help="prefill: SGLang bootstrap port")
+    p.add_argument("--profile", default="llama3.1-8b-h100")
+    p.add_argument("--formula", default=None)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--kv-capacity-tokens", type=int, default=None)
+    p.add_argument("--model", default="flexlb-sim")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper())
+    cfg = WorkerConfig(
+        role=a.role,
+        host=a.host,
+        grpc_port=a.port,
+        profile=a.profile,
+        formula=a.formula,
+        time_scale=a.time_scale,
+        block_size=a.block_size,
+        kv_capacity_tokens=a.kv_capacity_tokens,
+        seed=a.seed,
+        model_name=a.model,
+    )
+    svc = WorkerService(cfg)
+    name = f"{a.role}@{a.host}:{a.port}"
+    facade = Facade(svc, name, a.host, a.port, a.model, a.bootstrap_port)
+    app = create_app(facade)
+    socks = [_listen(a.host, a.port)]
+    if a.bootstrap_port:
+        socks.append(_listen(a.host, a.bootstrap_port))
+
+    async def serve() -> None:
+        svc.start()
+        facade.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512))
+        server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, access_log=False, lifespan="off"))
+        try:
+            print(
+                json.dumps({"event": "facade_ready", "name": name, "bootstrap_port": a.bootstrap_port}),
+                flush=True,
+            )
+            await server.serve(sockets=socks)
+        finally:
+            await facade.http.aclose()
+            svc.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+    return 0
