@@ -286,3 +286,14 @@ def test_worker_series_leave_with_the_worker(scraped_gateway: Gateway) -> None:
     wait_for(lambda: not series(), 10, 0.1, what="ghost series removed")
     assert gw.readyz()["ready"], "the real workers kept theirs"
     assert any('worker="prefill@' in ln for ln in gw.get("/metrics").text.splitlines())
+
+
+def test_operations_doc_lists_every_gateway_metric() -> None:
+    import app.gateway.errors  # noqa: F401 - registers the rejection labels
+    from app import metrics as M
+
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    for collector in list(M.REGISTRY._collector_to_names):
+        for fam in collector.describe():
+            name = fam.name + ("_total" if fam.type == "counter" else "")
+            assert f"`{name}`" in doc, f"docs/operations.md does not list {name} ({fam.type})"
