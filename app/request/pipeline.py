@@ -164,6 +164,7 @@ class Pipeline:
             # (its clean-up would then drop the original's cancel handle and reply future).
             self.live.setdefault(rid, task)
         try:
+            self._choose_decode(req, p)
             await self._record(req, p)
             async with asyncio.timeout(req.timeout_ms / 1000):
                 async for ev in self._execute(req, p):
@@ -184,6 +185,8 @@ class Pipeline:
         except ApiError as err:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
+            elif err.code in ("no_worker", "draining"):  # refused before any state was written
+                self._observe(req, p, err.code)
             raise
         except RedisError as exc:  # fail_closed: shared state unreachable mid-request
             err = ApiError(
@@ -206,18 +209,42 @@ class Pipeline:
             if p.stage != "new":  # only the request that created the record waits for its reply
                 r.replies.forget(rid)
 
+    def _choose_decode(self, req: GenRequest, p: Progress) -> None:
+        """Pure: the decode worker (DESIGN §3 step 5) is chosen before anything is written, so its
+        KV reservation rides in the record's round trip. `max_tokens: 1` never touches decode."""
+        if req.max_new_tokens <= 1:
+            return
+        try:
+            dq = DecodeQuery(len(req.input_ids), req.max_new_tokens)
+            p.decode_worker = self.r.decode_strategy.choose(dq, self.views("decode"), self.rng).worker_id
+        except NoWorker as exc:
+            raise ApiError(
+                "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
+            ) from None
+
     async def _record(self, req: GenRequest, p: Progress) -> None:
-        """One round trip: the lifecycle record (refused when the id exists) and this origin's
-        live-set entry, which the master uses to reap our requests if we die."""
+        """One round trip: the lifecycle record (refused when the id exists), this origin's
+        live-set entry (the master reaps our requests through it if we die) and the decode KV
+        reservation — so the hand-off is the second and last round trip before prefill."""
         r = self.r
+        rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
         args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
+        dec = p.decode_worker
         async with r.redis.pipeline(transaction=False) as pipe:
-            pipe.sadd(r.keys.origin_requests(r.replica_id), req.request_id)
-            pipe.evalsha(r.store._scripts["create_request"].sha, 1, r.keys.request(req.request_id), *args)
-            _, created = await pipe.execute()
-        r.store.commands_total += 2
+            pipe.sadd(r.keys.origin_requests(r.replica_id), rid)
+            pipe.evalsha(r.store._scripts["create_request"].sha, 1, r.keys.request(rid), *args)
+            if dec:
+                cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
+                need = len(req.input_ids) + req.max_new_tokens
+                pipe.evalsha(r.store._scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap)
+            res = await pipe.execute()
+        r.store.commands_total += len(res)
+        created = res[1]
+        held = int(res[2]) if dec else -1
         if int(created) != 1:
+            if held == 1:  # our own fresh hold for a refused duplicate (2 = the original's: keep it)
+                await r.store.release(dec, rid)
             rec = await r.store.get_request(req.request_id)
             if rec is None or rec.get("origin") != r.replica_id:
                 await r.redis.srem(r.keys.origin_requests(r.replica_id), req.request_id)
@@ -226,23 +253,17 @@ class Pipeline:
             raise ApiError("duplicate_request", f"request {req.request_id!r} is still running")
         p.stage = "recorded"
         self._log("queued", req, p)
+        if dec:
+            if held == 0:
+                raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
+            p.stage = "reserved"
 
     async def _execute(self, req: GenRequest, p: Progress) -> AsyncIterator[tuple[str, Any]]:
         r = self.r
         rid = req.request_id
         n_in = len(req.input_ids)
-        # decode first: reserve KV on the chosen worker (DESIGN §3 step 5)
+        # the decode KV is already reserved (in _record's round trip)
         try:
-            if req.max_new_tokens > 1:
-                dq = DecodeQuery(n_in, req.max_new_tokens)
-                dchoice = r.decode_strategy.choose(dq, self.views("decode"), self.rng)
-                p.decode_worker = dchoice.worker_id
-                cap = int(float(r.snapshots.get(p.decode_worker, {}).get("kv_total_tokens", 0) or 0))
-                if not await r.store.reserve(p.decode_worker, rid, n_in + req.max_new_tokens, cap):
-                    raise ApiError(
-                        "overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1
-                    )
-                p.stage = "reserved"
             bs = self.block_size()
             keys = block_keys(req.input_ids, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
             now_ms = time.time() * 1000

@@ -27,12 +27,13 @@ redis.call('SET', KEYS[1], ARGV[1])
 return {ARGV[1], 1}
 """
 
-# KEYS[1] reservations HASH; ARGV: request_id, tokens, capacity → 1 held (new or already), 0 refused.
-# Idempotent: a request that already holds a reservation keeps its original amount. `_total` is
+# KEYS[1] reservations HASH; ARGV: request_id, tokens, capacity → 1 held now, 2 already held, 0 refused.
+# Idempotent: a request that already holds a reservation keeps its original amount (2 tells the
+# caller the hold is not its own, so a refused duplicate never releases the original's hold). `_total` is
 # the running sum, so a reader needs one HGET. Numbers go back to Redis as integer text, never as a
 # Lua number: Lua would send 0 negated as "-0", which HINCRBY rejects.
 RESERVE = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 2 end
 local t = tonumber(ARGV[2])
 local total = tonumber(redis.call('HGET', KEYS[1], '_total') or '0')
 if total + t > tonumber(ARGV[3]) then return 0 end

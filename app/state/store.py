@@ -158,7 +158,7 @@ class StateStore:
         res = await self._run(
             "reserve", [self.keys.reservations(wid)], [request_id, int(tokens), int(capacity_tokens)]
         )
-        return int(res) == 1
+        return int(res) in (1, 2)
 
     async def release(self, wid: str, request_id: str) -> bool:
         """Free the request's reservation. Only the first call returns True; later ones change nothing.

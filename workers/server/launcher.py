@@ -316,7 +316,8 @@ class TritonHost:
         """Block until `stop()` begins or Triton dies; for a worker's main thread."""
         while not self.stopping.wait(poll_s):
             if not self._triton.is_alive():
-                log.error("triton died; see %s", self.log_path)
+                # stop() removes the workspace, log included: keep its tail in the worker's log.
+                log.error("triton died; its log ends:\n%s", self._log_tail())
                 return
 
     def stop(self) -> None:
