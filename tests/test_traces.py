@@ -139,6 +139,13 @@ def test_slice_scale_replicate() -> None:
     assert theoretical_hit_ratio(r3) == pytest.approx(theoretical_hit_ratio(t))
     assert replicate(t, 3, seed=1).requests == r3.requests
     assert replicate(t, 3, seed=2).requests != r3.requests
+    # building only the first N merged arrivals gives the same requests as slicing the whole merge
+    big = synthetic_trace(
+        300, 20.0, prefix_groups=3, prefix_blocks=2, unique_blocks=1, block_size=4, output_len=2, seed=5
+    )
+    full = replicate(big, 7, seed=4)
+    for n in (1, 50, 333, 2100):
+        assert replicate(big, 7, seed=4, max_requests=n).requests == slice_trace(full, 0, n).requests
 
 
 def test_synthetic_shape() -> None:

@@ -82,9 +82,12 @@ def rich_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = No
 
 
 def print_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = None) -> None:
+    import sys
+
     from rich.console import Console
 
-    Console().print(rich_table(policies, title))
+    # Piped output (CI logs, `| tee`) would otherwise wrap at 80 columns and elide every number.
+    Console(width=None if sys.stdout.isatty() else 220).print(rich_table(policies, title))
 
 
 def _jsonable(v: Any) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["RequestRecord"]
@@ -32,4 +32,6 @@ class RequestRecord:
         return self.error is None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Every field is a scalar, so a shallow copy is what asdict() would build, at a fraction of
+        # its cost (results files hold one line per request, 100K+ in cluster-scale runs).
+        return dict(self.__dict__)

@@ -15,7 +15,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -213,11 +213,16 @@ def save_trace(trace: Trace, path: str | Path) -> None:
 def _rebuilt(trace: Trace, reqs: Iterable[TraceRequest], name: str | None = None) -> Trace:
     out = list(reqs)
     t0 = out[0].arrival_ms if out else 0.0
+    # Plain constructor calls, not dataclasses.replace: this runs once per request of traces with
+    # hundreds of thousands of them.
     return Trace(
         name or trace.name,
         trace.format,
         trace.block_size,
-        [replace(r, index=i, arrival_ms=r.arrival_ms - t0) for i, r in enumerate(out)],
+        [
+            TraceRequest(i, r.arrival_ms - t0, r.input_len, r.output_len, r.block_hashes)
+            for i, r in enumerate(out)
+        ],
     )
 
 
@@ -246,7 +251,10 @@ def scale_time(trace: Trace, speed: float) -> Trace:
         trace.name,
         trace.format,
         trace.block_size,
-        [replace(r, arrival_ms=r.arrival_ms / speed) for r in trace.requests],
+        [
+            TraceRequest(r.index, r.arrival_ms / speed, r.input_len, r.output_len, r.block_hashes)
+            for r in trace.requests
+        ],
     )
 
 
@@ -258,7 +266,7 @@ def _mix64(x: int) -> int:
     return (x ^ (x >> 31)) & _MASK63
 
 
-def replicate(trace: Trace, copies: int, seed: int = 0) -> Trace:
+def replicate(trace: Trace, copies: int, seed: int = 0, *, max_requests: int | None = None) -> Trace:
     """``copies`` independent tenants of the same workload, merged into one trace.
 
     Each copy gets its own block-id namespace (copy 0 keeps the original ids, so its bounds equal
@@ -267,26 +275,45 @@ def replicate(trace: Trace, copies: int, seed: int = 0) -> Trace:
     after the first are shifted by a seeded random offset below one mean inter-arrival gap, so the
     merge does not turn every arrival into a burst of ``copies`` simultaneous requests while the
     minute-scale rate drift of the source is kept. Ties in the merge are ordered by (copy, index).
+
+    ``max_requests`` keeps only the first N merged arrivals, computed without building the rest
+    (the result equals replicating everything and slicing ``0:N``).
     """
     if copies < 1:
         raise ValueError(f"copies must be >= 1, got {copies}")
     if copies == 1:
-        return trace
-    rng = random.Random(seed)
+        return trace if max_requests is None else _rebuilt(trace, trace.requests[:max_requests])
     n = len(trace.requests)
     gap = trace.span_ms / (n - 1) if n > 1 else 0.0
+    rng = random.Random(seed)
+    offsets = [0.0] + [rng.uniform(0.0, gap) for _ in range(copies - 1)]
+    spaces = [0] + [_mix64(seed * 0x10001 + c) for c in range(1, copies)]
+    if max_requests is not None and max_requests < n * copies:
+        # Build the first m requests of each copy; enough when the N-th merged arrival comes
+        # strictly before the first one left out (every copy's request m arrives at t_m or later).
+        m = min(n, max_requests // copies + 16)
+        while True:
+            out = _merge(trace, m, offsets, spaces)[:max_requests]
+            if m >= n or (out and out[-1].arrival_ms < trace.requests[m].arrival_ms):
+                break
+            m = min(n, 2 * m)
+    else:
+        out = _merge(trace, n, offsets, spaces)
+    return _rebuilt(trace, out, f"{trace.name}x{copies}")
+
+
+def _merge(trace: Trace, m: int, offsets: list[float], spaces: list[int]) -> list[TraceRequest]:
+    """The first ``m`` requests of every copy, merged by (arrival, copy, index)."""
     streams: list[list[tuple[float, int, int, TraceRequest]]] = []
-    for c in range(copies):
-        off = 0.0 if c == 0 else rng.uniform(0.0, gap)
-        ns = _mix64(seed * 0x10001 + c) if c else 0
+    src = trace.requests[:m]
+    for c, (off, ns) in enumerate(zip(offsets, spaces, strict=True)):
         cs: list[tuple[float, int, int, TraceRequest]] = []
-        for r in trace.requests:
+        for r in src:
             bh = r.block_hashes if c == 0 else tuple(_mix64(h ^ ns) for h in r.block_hashes)
             t = r.arrival_ms + off
-            cs.append((t, c, r.index, replace(r, arrival_ms=t, block_hashes=bh)))
+            cs.append((t, c, r.index, TraceRequest(r.index, t, r.input_len, r.output_len, bh)))
         streams.append(cs)
-    out = [r for _, _, _, r in heapq.merge(*streams, key=lambda x: (x[0], x[1], x[2]))]
-    return _rebuilt(trace, out, f"{trace.name}x{copies}")
+    return [r for _, _, _, r in heapq.merge(*streams, key=lambda x: (x[0], x[1], x[2]))]
 
 
 def synthetic_trace(

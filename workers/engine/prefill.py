@@ -11,6 +11,7 @@ of room that expiring handles will free.
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -107,6 +108,11 @@ class PrefillEngine:
         self._req_batch: dict[str, str] = {}  # live request id -> batch id
         self._held = 0
         self._pinned: dict[str, _Pinned] = {}
+        # (expiry, request id) of every pin, popped lazily once its pin is gone or was replaced, and
+        # the pinned tokens held outside the cache: so the next expiry and the KV view cost O(1)
+        # instead of a pass over every pinned request (the simulator asks after every event).
+        self._pin_heap: list[tuple[float, str]] = []
+        self._pinned_outside = 0
         self._expired: OrderedDict[str, float] = OrderedDict()  # request id -> when (bounded)
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # id -> expiry
         self.history: deque[PrefillResult] = deque()
@@ -235,6 +241,7 @@ class PrefillEngine:
         self._queue.clear()
         self._running = None
         self._held = 0
+        self._pin_heap.clear()
         self._tombstones.clear()
         self._expired.clear()
         self._exit_sent = False
@@ -251,9 +258,21 @@ class PrefillEngine:
         t = INF
         if self._running is not None:
             t = self._running.end_ms
-        if self._pinned:
-            t = min(t, min(p.expiry_ms for p in self._pinned.values()))
+        exp = self._next_expiry()
+        if exp is not None and exp < t:
+            t = exp
         return None if t == INF else t
+
+    def _next_expiry(self) -> float | None:
+        heap = self._pin_heap
+        pinned = self._pinned
+        while heap:
+            exp, rid = heap[0]
+            p = pinned.get(rid)
+            if p is not None and p.expiry_ms == exp:
+                return exp
+            heapq.heappop(heap)
+        return None
 
     def advance_to(self, t: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -267,7 +286,11 @@ class PrefillEngine:
             self.now = max(self.now, nxt)
             if self._running is not None and self._running.end_ms <= nxt:
                 effects.extend(self._complete(self._running))
-            for rid in [r for r, p in self._pinned.items() if p.expiry_ms <= self.now]:
+            while True:
+                exp = self._next_expiry()
+                if exp is None or exp > self.now:
+                    break
+                _, rid = heapq.heappop(self._pin_heap)
                 effects.append(self._unpin(rid, "expired"))
             effects.extend(self._pump())
         self.now = max(self.now, t)
@@ -276,7 +299,7 @@ class PrefillEngine:
     # ---- views ---------------------------------------------------------------------------
     def kv_view(self) -> dict[str, int]:
         used = self.cache.used_tokens + self._held
-        pinned = self.cache.pinned_tokens + sum(p.outside_tokens for p in self._pinned.values())
+        pinned = self.cache.pinned_tokens + self._pinned_outside
         return {
             "kv_total_tokens": self.capacity,
             "kv_free_tokens": max(0, self.capacity - used),
@@ -428,6 +451,8 @@ class PrefillEngine:
             self._held += outside
             expiry = self.now + self.kv_handle_ttl_ms
             self._pinned[rid] = _Pinned(present, outside, expiry)
+            self._pinned_outside += outside
+            heapq.heappush(self._pin_heap, (expiry, rid))
             effects.append(
                 self._finish(
                     b.batch_id,
@@ -485,6 +510,7 @@ class PrefillEngine:
 
     def _unpin(self, rid: str, reason: str) -> KvReleased:
         p = self._pinned.pop(rid)
+        self._pinned_outside -= p.outside_tokens
         self.cache.unpin(p.keys)
         self._held -= p.outside_tokens
         if reason == "expired":

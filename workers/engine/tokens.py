@@ -11,6 +11,10 @@ import hashlib
 import numpy as np
 
 _LO, _SPAN = 32, 95
+_M64 = (1 << 64) - 1
+# Up to this many tokens plain Python integers beat numpy's per-call overhead (the prefill's single
+# first token is on the simulator's hot path); both paths compute the same values.
+_SMALL = 8
 
 
 def _request_state(seed: int, request_id: str) -> int:
@@ -21,7 +25,17 @@ def output_tokens(seed: int, request_id: str, start: int, count: int) -> list[in
     """Tokens [start, start+count) of the request's output stream."""
     if count <= 0:
         return []
-    base = np.uint64(_request_state(seed, request_id))
+    state = _request_state(seed, request_id)
+    if count <= _SMALL:
+        out = []
+        for i in range(start, start + count):
+            z = (state + i * 0x9E3779B97F4A7C15) & _M64
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+            z ^= z >> 31
+            out.append(z % _SPAN + _LO)
+        return out
+    base = np.uint64(state)
     idx = np.arange(start, start + count, dtype=np.uint64)
     # splitmix64 over (base + index): cheap, vectorised, well mixed.
     with np.errstate(over="ignore"):

@@ -1,0 +1,104 @@
+"""What one simulated cluster is: worker counts, engine profile, gateway knobs and the modelled latencies.
+
+Gateway knobs (poll interval, speculative TTL, queue bound, decode strategy, formula) default to the
+live gateway's settings (`app.config.Settings`, FLEXLB_* environment), so a simulation studies the
+gateway as it is configured unless the command line says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from app.config import Settings
+from app.scheduling.batcher import BatcherConfig
+from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, UPSTREAM_FITTED_FORMULA, Formula, compile_formula
+from workers.engine.profiles import EngineProfile, formula_profile, get_profile
+
+__all__ = ["BATCHING", "PROFILES", "SimConfig", "batcher_config", "engine_profile", "gateway_formula"]
+
+PROFILES = ("llama3.1-8b-h100", "fitted")
+BATCHING = ("fixed_window", "slo", "direct")
+
+
+def engine_profile(name: str, kv_capacity_tokens: int | None = None) -> EngineProfile:
+    """The modelled GPU: the Llama-3.1-8B/H100 roofline, or upstream's fitted prefill formula."""
+    if name == "llama3.1-8b-h100":
+        return get_profile(name, kv_capacity_tokens=kv_capacity_tokens)
+    if name == "fitted":
+        if kv_capacity_tokens is None:
+            return formula_profile(UPSTREAM_FITTED_FORMULA)
+        return formula_profile(UPSTREAM_FITTED_FORMULA, kv_capacity_tokens=kv_capacity_tokens)
+    raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+
+
+def gateway_formula(profile: str, override: str | None) -> Formula:
+    """The gateway's predictor: the configured formula, else the one that models ``profile``."""
+    if override:
+        return compile_formula(override)
+    return compile_formula(UPSTREAM_FITTED_FORMULA if profile == "fitted" else DEFAULT_PREFILL_FORMULA)
+
+
+def batcher_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | None = None) -> BatcherConfig:
+    """The owner's batcher knobs for one batching mode (the live defaults otherwise)."""
+    b = base or BatcherConfig()
+    if batching == "fixed_window":
+        cfg = replace(b, algorithm="fixed_window", mode="batch")
+    elif batching == "slo":
+        cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
+    elif batching == "direct":
+        cfg = replace(b, mode="direct")
+    else:
+        raise ValueError(f"unknown batching {batching!r}; known: {', '.join(BATCHING)}")
+    cfg.validate()
+    return cfg
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    prefill: int = 8
+    decode: int = 8
+    replicas: int = 1
+    seed: int = 0
+    profile: str = "llama3.1-8b-h100"
+    formula: str | None = None  # gateway predictor; None → Settings, else the profile's own
+    kv_capacity_tokens: int | None = None  # per prefill worker (its prefix cache); None → the profile's
+    slo_ttft_ms: float = 3000.0
+    decode_strategy: str = field(default_factory=lambda: _settings().decode_strategy)
+    poll_interval_ms: float = field(default_factory=lambda: float(_settings().poll_interval_ms))
+    speculative_ttl_ms: float = field(default_factory=lambda: float(_settings().speculative_ttl_ms))
+    max_queue_len: int = field(default_factory=lambda: _settings().max_queue_len)
+    # Origin → owner: the hand-off stream append plus the owner's blocking read (Redis on loopback).
+    handoff_latency_ms: float = 1.0
+    # Owner → origin: the reply stream.
+    reply_latency_ms: float = 1.0
+    kv_handle_ttl_ms: float = 30_000.0
+    decode_max_running: int = 256
+    # Fleets larger than this route over a candidate shortlist (see app/sim/cluster.py).
+    full_scan_max: int = 64
+    candidates: int = 16
+    batcher: BatcherConfig = field(default_factory=BatcherConfig)
+
+    def validate(self) -> None:
+        if self.prefill < 1 or self.decode < 1 or self.replicas < 1:
+            raise ValueError("need at least one prefill worker, one decode worker and one replica")
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if self.poll_interval_ms <= 0 or self.handoff_latency_ms < 0 or self.reply_latency_ms < 0:
+            raise ValueError("poll interval must be > 0 and latencies >= 0")
+        if self.candidates < 1:
+            raise ValueError("candidates must be >= 1")
+
+    def gateway_formula(self) -> Formula:
+        return gateway_formula(self.profile, self.formula or _settings().prefill_time_formula)
+
+    def engine_profile(self) -> EngineProfile:
+        """The prefill workers' profile (with the KV override: cache-capacity studies change it)."""
+        return engine_profile(self.profile, self.kv_capacity_tokens)
+
+    def decode_profile(self) -> EngineProfile:
+        """The decode workers' profile: always the profile's own KV capacity."""
+        return engine_profile(self.profile)
