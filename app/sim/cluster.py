@@ -96,6 +96,7 @@ class _SimDecodeEngine(DecodeEngine):
 class SimOutcome:
     records: list[RequestRecord]
     flush_reasons: dict[str, int]
+    rejections: dict[str, int]
     batches: int
     events: int
     end_ms: float
@@ -204,6 +205,9 @@ class ClusterSim:
         self.batch_members: dict[str, int] = {}
         self.n_batches = 0
         self.flushes: Counter[str] = Counter()
+        # Why the origin refused requests before any engine saw them: the API code alone
+        # ("no_worker", "overloaded") does not say whether decode or prefill ran out.
+        self.rejections: Counter[str] = Counter()
         self.done = 0
         self.events = 0
         self.dispatched_predicted = 0.0
@@ -283,6 +287,7 @@ class ClusterSim:
         return SimOutcome(
             records=self._records(),
             flush_reasons=dict(sorted(self.flushes.items())),
+            rejections=dict(sorted(self.rejections.items())),
             batches=self.n_batches,
             events=self.events,
             end_ms=self.now,
@@ -303,10 +308,12 @@ class ClusterSim:
             try:
                 d = self._choose_decode(rep, dq)
             except NoWorker:
+                self.rejections["decode_no_kv_headroom"] += 1
                 self._fail(i, "no_worker")
                 return
             need = size + max_new
             if self.reserved[d] + need > self.deng[d].capacity:
+                self.rejections["decode_reserve_refused"] += 1
                 self._fail(i, "overloaded")
                 return
             self.reserved[d] += need
@@ -319,10 +326,12 @@ class ClusterSim:
         try:
             choice = self._choose_prefill(rep, q, hits)
         except NoWorker:
+            self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
+            self.rejections["prefill_queue_full"] += 1
             self._fail(i, "overloaded")
             return
         st.prefill = w

@@ -126,6 +126,7 @@ def run_simulation(
         m["batching"] = spec.batching
         m["batches"] = res.batches
         m["flush_reasons"] = res.flush_reasons
+        m["rejections"] = res.rejections
         m["events"] = res.events
         out[spec.name] = m
         records[spec.name] = res.records
