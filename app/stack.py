@@ -1,10 +1,12 @@
 """`flexlb up`: the whole local stack in the foreground — an embedded Redis, prefill and decode
 sim workers, gateway replicas — with one log folder, parallel start and stop, and a clean exit on
 Ctrl-C/SIGTERM (nothing left running). A component that fails to start is named with the tail of
-its log and everything else is stopped."""
+its log and everything else is stopped; a worker that dies later is restarted on its ports (a few
+times), anything else that dies stops the stack."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -32,6 +34,8 @@ class Proc:
     log_path: Path
     log: IO[str]
     info: dict[str, object] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    drainer: threading.Thread | None = None
 
     def tail(self, n: int = 15) -> str:
         self.log.flush()
@@ -51,9 +55,11 @@ class Proc:
         self.log.close()
 
 
-def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str], pipe: bool = False) -> Proc:
+def _spawn(
+    name: str, args: list[str], log_dir: Path, env: dict[str, str], pipe: bool = False, append: bool = False
+) -> Proc:
     log_path = log_dir / f"{name}.log"
-    log = open(log_path, "w")  # noqa: SIM115 - closed by Proc.stop
+    log = open(log_path, "a" if append else "w")  # noqa: SIM115 - closed by Proc.stop
     popen = subprocess.Popen(
         [sys.executable, "-m", "app.cli", *args],
         stdout=subprocess.PIPE if pipe else log,
@@ -62,7 +68,29 @@ def _spawn(name: str, args: list[str], log_dir: Path, env: dict[str, str], pipe:
         env=env,
         start_new_session=True,  # our Ctrl-C handler stops them in order, not the terminal
     )
-    return Proc(name, popen, log_path, log)
+    return Proc(name, popen, log_path, log, args=args)
+
+
+MAX_WORKER_RESTARTS = 3
+
+
+def _restart_worker(p: Proc, log_dir: Path, env: dict[str, str]) -> Proc:
+    """A worker died (Triton has been seen to segfault under load): start it again on the same
+    ports, which is how the registry knows it; the gateways see a new epoch and settle the old one.
+    Readiness is awaited in the background so the supervisor keeps watching everything else."""
+    if p.drainer is not None:
+        p.drainer.join(2)  # the dead worker's last lines land before its log is reopened
+    p.log.close()
+    ports = [f"--{k.replace('_', '-')}={p.info[k]}" for k in ("grpc_port", "http_port", "metrics_port")]
+    new = _spawn(p.name, [*p.args, *ports], log_dir, env, pipe=True, append=True)
+    new.args, new.info = p.args, p.info
+
+    def ready() -> None:
+        with contextlib.suppress(StartError):  # if it dies again, the supervisor loop sees it
+            _worker_ready(new, 90)
+
+    threading.Thread(target=ready, daemon=True).start()
+    return new
 
 
 def _worker_ready(p: Proc, timeout: float) -> None:
@@ -81,7 +109,8 @@ def _worker_ready(p: Proc, timeout: float) -> None:
         if ev.get("event") == "worker_ready":
             p.info = ev
             # keep draining stdout into the log so the worker never blocks on a full pipe
-            threading.Thread(target=_drain, args=(p,), daemon=True).start()
+            p.drainer = threading.Thread(target=_drain, args=(p,), daemon=True)
+            p.drainer.start()
             return
     raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
 
@@ -169,16 +198,29 @@ def run_stack(
         phases["ready_s"] = time.monotonic() - t0
         _write_manifest(log_dir / "stack.json", port, gws, workers, redis_url, phases)
         _banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0)
+        restarts = 0
         while not stop.wait(0.5):
-            for p in procs:
-                if p.popen.poll() is not None:
+            for i, p in enumerate(procs):
+                if p.popen.poll() is None:
+                    continue
+                worker = not p.name.startswith("gateway")
+                if worker and restarts < MAX_WORKER_RESTARTS and "grpc_port" in p.info:
+                    restarts += 1
                     print(
-                        f"\n{p.name} exited with code {p.popen.returncode}; stopping:\n{p.tail()}",
+                        f"\n{p.name} exited with code {p.popen.returncode}; restarting it on the same ports"
+                        f" ({restarts}/{MAX_WORKER_RESTARTS}):\n{p.tail()}",
                         file=sys.stderr,
+                        flush=True,
                     )
-                    rc = 1
-                    stop.set()
-                    break
+                    procs[i] = _restart_worker(p, log_dir, env)
+                    continue
+                print(
+                    f"\n{p.name} exited with code {p.popen.returncode}; stopping:\n{p.tail()}",
+                    file=sys.stderr,
+                )
+                rc = 1
+                stop.set()
+                break
     except StartError as exc:
         print(f"start failed: {exc}", file=sys.stderr)
         rc = 1

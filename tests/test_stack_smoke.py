@@ -42,6 +42,12 @@ class Stack:
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
 
+    def running(self) -> None:
+        """The stack stops itself when one of its processes dies; say which, not a timeout later."""
+        assert self.proc.poll() is None, (
+            f"flexlb up exited ({self.proc.returncode}):\n{self.output()[-3000:]}"
+        )
+
     def track(self) -> None:
         """Remember every process `flexlb up` started (workers spawn Triton and its stubs later)."""
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -126,6 +132,7 @@ def test_up_prints_a_usable_banner_and_starts_in_time(stack: Stack) -> None:
 
 
 def test_stream_a_chat_completion_through_each_replica(stack: Stack) -> None:
+    stack.running()
     import openai
 
     seen_decode = set()
@@ -181,6 +188,7 @@ def test_real_prometheus_scrapes_every_target(stack: Stack, tmp_path: Path) -> N
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip(PROMETHEUS_HINT)
+    stack.running()
     m = stack.manifest
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text(yaml.safe_dump(_prom_config(m)))
@@ -244,6 +252,17 @@ def test_real_prometheus_scrapes_every_target(stack: Stack, tmp_path: Path) -> N
         }
         assert by_role.get("prefill", 0) > 0 and by_role.get("decode", 0) > 0, by_role
         assert _scalar(base, "sum(rate(flexlb_http_requests_total[1m]))") > 0
+        # every dashboard query runs on live data without an evaluation error (promtool only parses)
+        empty = []
+        for dash in sorted((ROOT / "grafana" / "dashboards").glob("*.json")):
+            for panel in json.loads(dash.read_text())["panels"]:
+                for t in panel["targets"]:
+                    expr = t["expr"].replace("$__rate_interval", "30s").replace('"$worker"', '".*"')
+                    r = httpx.get(base + "/api/v1/query", params={"query": expr}, timeout=5).json()
+                    assert r["status"] == "success", (dash.name, panel["title"], expr, r)
+                    if not r["data"]["result"]:
+                        empty.append(f"{dash.stem}/{panel['title']}/{t['refId']}")
+        print(f"dashboard queries without data after the smoke traffic: {empty}")
     finally:
         prom.send_signal(signal.SIGTERM)
         try:
@@ -254,7 +273,40 @@ def test_real_prometheus_scrapes_every_target(stack: Stack, tmp_path: Path) -> N
         log.close()
 
 
+def test_a_crashed_worker_is_restarted_on_its_ports(stack: Stack) -> None:
+    """Triton has been seen to segfault under load; the stack restarts that worker where the
+    registry knows it instead of tearing everything down."""
+    stack.running()
+    w = stack.manifest["workers"][0]
+    wid = f"{w['role']}@{w['address']}"
+    stack.track()
+    triton = [p for p in psutil.Process(w["pid"]).children(recursive=True) if p.name() == "tritonserver"]
+    assert triton, "no tritonserver under the worker"
+    triton[0].send_signal(signal.SIGSEGV)  # what the crash looks like: Triton dies, the worker exits 1
+    wait_for(lambda: "restarting it on the same ports" in stack.output(), 20, 0.2, what="restart notice")
+    gws = [g["url"] for g in stack.manifest["gateways"]]
+
+    def back_up() -> bool:
+        stack.running()
+        return all(httpx.get(u + "/readyz", timeout=2).json()["workers"].get(wid) == "up" for u in gws)
+
+    wait_for(back_up, 60, 0.5, what=f"{wid} up again on every replica")
+    epochs = sum(
+        float(ln.rsplit(" ", 1)[1])
+        for u in gws
+        for ln in httpx.get(u + "/metrics", timeout=5).text.splitlines()
+        if ln.startswith(f'flexlb_worker_epoch_changes_total{{worker="{wid}"}}')
+    )
+    assert epochs >= 1, "the owner must have seen the new epoch"
+    for u in gws:
+        r = httpx.post(
+            u + "/v1/generate", json={"prompt": "after the crash", "max_new_tokens": 4}, timeout=30
+        )
+        assert r.status_code == 200, r.text
+
+
 def test_sigterm_stops_everything_within_20s(stack: Stack) -> None:
+    stack.running()
     stack.track()
     assert len(stack.tracked) >= 4 + 2 + 4, sorted(stack.tracked)  # workers+tritons, gateways, redis...
     t0 = time.monotonic()
