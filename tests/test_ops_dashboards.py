@@ -253,7 +253,8 @@ def test_new_metrics_move_with_traffic(scraped_gateway: Gateway, workers_reset) 
     assert delta["flexlb_batch_predicted_seconds_count"] >= 4
     assert delta["flexlb_batch_time_ratio_count"] >= 4
     assert delta["flexlb_routed_prompt_tokens_total"] >= 3 * 500
-    assert delta["flexlb_prefill_input_tokens_total"] == delta["flexlb_routed_prompt_tokens_total"]
+    # what the workers finished is what was dispatched (less only if a batch was retried elsewhere)
+    assert 3 * 500 <= delta["flexlb_prefill_input_tokens_total"] <= delta["flexlb_routed_prompt_tokens_total"]
     assert delta["flexlb_prefill_cached_tokens_total"] > 0, "a repeated prompt must hit the cache"
     assert delta["flexlb_routed_cache_hit_tokens_total"] > 0, "the router expected those hits"
     rej = _value(after, "flexlb_rejections_total", reason="invalid_request")
