@@ -19,7 +19,18 @@ class _JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for k in ("request_id", "trace_id", "worker", "batch_id", "event"):
+        for k in (
+            "event",
+            "request_id",
+            "trace_id",
+            "worker",
+            "prefill_worker",
+            "decode_worker",
+            "batch_id",
+            "batch_size",
+            "reason",
+            "code",
+        ):
             v = getattr(record, k, None)
             if v is not None:
                 d[k] = v

@@ -108,6 +108,7 @@ for _ep in ("completions", "chat", "generate"):
         "overloaded",
         "no_worker",
         "state_unavailable",
+        "draining",
         "invalid_request",
         "internal",
         "duplicate_request",

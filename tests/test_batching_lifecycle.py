@@ -187,6 +187,14 @@ def test_cancel_of_a_member_waiting_in_the_batcher_never_reaches_the_worker(
     finished = asyncio.run(_all_finished(paddr))
     assert f"wait-{tag}-1" not in {f["request_id"] for f in finished}, "the cancelled one reached the worker"
     assert sum(1 for f in finished if f["request_id"].startswith(f"wait-{tag}")) == 2
+    # one JSON log line per lifecycle transition, with the ids an operator greps for
+    ev = _events(a, f"wait-{tag}-0")
+    assert [e["event"] for e in ev] == ["queued", "dispatched", "prefilled", "decoding", "completed"], ev
+    assert all(e["trace_id"] == ev[0]["trace_id"] for e in ev) and ev[0]["trace_id"]
+    assert ev[1]["batch_id"] == first.json()["batch_id"] and ev[1]["prefill_worker"] == wid
+    assert ev[-1]["decode_worker"] and ev[-1]["batch_id"] == ev[1]["batch_id"]
+    gone = _events(a, f"wait-{tag}-1")
+    assert [e["event"] for e in gone] == ["queued", "cancelled"] and gone[-1]["code"] == "cancelled", gone
     asyncio.run(_worker(paddr, formula="1"))
 
 
@@ -272,6 +280,16 @@ async def _all_finished(addr: str) -> list[dict]:
             since = st["finished"][-1]["seq"]
     finally:
         await c.close()
+
+
+def _events(gw: Gateway, rid: str) -> list[dict[str, Any]]:
+    out = []
+    for line in gw.log().splitlines():
+        if rid in line and '"event"' in line:
+            d = json.loads(line)
+            if d.get("request_id") == rid:
+                out.append(d)
+    return out
 
 
 async def _get(gw: Gateway, rid: str) -> dict[str, Any]:

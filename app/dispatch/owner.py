@@ -376,6 +376,20 @@ class OwnerDispatcher:
         )
         self._marks.add(mark)
         mark.add_done_callback(self._marks.discard)
+        for i in live:
+            log.info(
+                "request %s dispatched",
+                i.request_id,
+                extra={
+                    "event": "dispatched",
+                    "request_id": i.request_id,
+                    "trace_id": i.trace_id,
+                    "prefill_worker": self.wid,
+                    "batch_id": batch_id,
+                    "batch_size": len(live),
+                    "reason": reason,
+                },
+            )
         deadline = max((i.deadline_ms for i in live), default=0.0)
         timeout = max(1.0, (deadline - time.time() * 1000) / 1000) if deadline else None
         answered: set[str] = set()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import time
@@ -397,6 +396,7 @@ class Pipeline:
         dec = p.decode_worker
         snap = r.snapshots.get(dec, {})
         p.stage = "decoding"
+        self._log("decoding", req, p)
         pre_addr = r.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
         try:
             async for ev in r.client(dec).decode(
@@ -459,16 +459,19 @@ class Pipeline:
                     r.store._scripts["release"].sha, 1, r.keys.reservations(p.decode_worker), req.request_id
                 )
             pipe.srem(r.keys.origin_requests(r.replica_id), req.request_id)
+            r.store.commands_total += 1
+            r.store.pipe_transition(
+                pipe,
+                req.request_id,
+                state,
+                {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker},
+                outcome=outcome,
+            )
             await pipe.execute()
-        r.store.commands_total += 1
-        await r.store.transition(
-            req.request_id,
-            state,
-            {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker},
-            outcome=outcome,
-        )
         p.stage = "done"
-        self._log(state, req, p)
+        self._log(
+            state, req, p, code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else ""
+        )
 
     def _observe(self, req: GenRequest, p: Progress, code: str) -> None:
         M.REQUESTS.labels(req.endpoint, code).inc()
@@ -514,18 +517,19 @@ class Pipeline:
         task.cancel()
         return True
 
-    def _log(self, event: str, req: GenRequest, p: Progress) -> None:
-        log.info(
-            json.dumps(
-                {"event": event, "prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
-            ),
-            extra={
-                "request_id": req.request_id,
-                "trace_id": req.trace_id,
-                "batch_id": p.batch_id,
-                "event": event,
-            },
-        )
+    def _log(self, event: str, req: GenRequest, p: Progress, code: str = "") -> None:
+        """One JSON line per lifecycle transition (DESIGN §9), with the ids an operator greps."""
+        extra: dict[str, Any] = {
+            "event": event,
+            "request_id": req.request_id,
+            "trace_id": req.trace_id,
+            "prefill_worker": p.prefill_worker or None,
+            "decode_worker": p.decode_worker or None,
+            "batch_id": p.batch_id or None,
+        }
+        if code:
+            extra["code"] = code
+        log.info("request %s %s", req.request_id, event, extra=extra)
 
 
 class _NotStarted(Exception):

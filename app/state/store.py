@@ -350,6 +350,31 @@ class StateStore:
         ]
         return int(await self._run("transition", [self.keys.request(request_id)], args)) == 1
 
+    def pipe_transition(
+        self,
+        pipe: Any,
+        request_id: str,
+        to_state: str,
+        fields: Mapping[str, Any] | None = None,
+        *,
+        outcome: Mapping[str, Any] | None = None,
+    ) -> None:
+        """`transition` queued on a caller's pipeline, so the origin's final clean-up (release,
+        live-set removal, terminal state) is one round trip. The reply is 1 applied / 0 refused."""
+        rank = _RANK[to_state]
+        terminal = to_state in TERMINAL
+        outcome_json = json.dumps({"state": to_state, **(outcome or {})}, separators=(",", ":"))
+        args = [
+            to_state,
+            rank,
+            "1" if terminal else "0",
+            int(self.lifecycle_ttl_s),
+            outcome_json if terminal else "",
+            *_flatten(fields, _REQUEST_RESERVED),
+        ]
+        pipe.evalsha(self._scripts["transition"].sha, 1, self.keys.request(request_id), *args)
+        self.commands_total += 1
+
     async def transition_many(
         self, request_ids: Sequence[str], to_state: str, fields: Mapping[str, Any] | None = None
     ) -> None:

@@ -107,6 +107,24 @@ def _our_processes(marker: str) -> list[int]:
     return pids
 
 
+# PyTriton starts each model's Python-backend stub with a 4 MiB shared-memory pool that grows 1 MiB
+# at a time. Our prefill batches carry hundreds of KiB per call over many concurrent streams, so the
+# pool grew constantly, and the backend's pool growth under concurrent use is where its known
+# crashes live (the stub segfaulted in libc, the model handler went down, the worker died). A pool
+# that starts at 64 MiB and grows by 16 MiB seldom grows at all; /dev/shm pages are only backed
+# once touched, so the reservation is cheap.
+_SHM_INITIAL_BYTES = 64 << 20
+_SHM_GROWTH_BYTES = 16 << 20
+
+
+def _size_python_backend_shm() -> None:
+    """PyTriton reads these module constants when it writes the backend config (at run())."""
+    import pytriton.triton as pt
+
+    pt.INITIAL_BACKEND_SHM_SIZE = max(int(pt.INITIAL_BACKEND_SHM_SIZE), _SHM_INITIAL_BYTES)
+    pt.GROWTH_BACKEND_SHM_SIZE = max(int(pt.GROWTH_BACKEND_SHM_SIZE), _SHM_GROWTH_BYTES)
+
+
 class TritonHost:
     """One Triton server with PyTriton models, owned by the current process.
 
@@ -168,6 +186,7 @@ class TritonHost:
         self._run_returned = threading.Event()
         self._released = threading.Event()
 
+        _size_python_backend_shm()
         security = TritonSecurityConfig(
             access_token=access_token, restricted_endpoints=None if restrict_endpoints else []
         )
@@ -316,8 +335,10 @@ class TritonHost:
         """Block until `stop()` begins or Triton dies; for a worker's main thread."""
         while not self.stopping.wait(poll_s):
             if not self._triton.is_alive():
-                # stop() removes the workspace, log included: keep its tail in the worker's log.
-                log.error("triton died; its log ends:\n%s", self._log_tail())
+                # stop() removes the workspace, log included: keep its tail in the worker's log,
+                # and what the process wrote to stdout/stderr (an abort's message lands there).
+                log.error("triton died; its log ends:\n%s", self._log_tail()[-1500:])
+                log.error("triton died; exit and console output: %s", self._console_tail())
                 return
 
     def stop(self) -> None:
@@ -418,6 +439,17 @@ class TritonHost:
             if isinstance(prefix, str) and prefix.startswith(_SHM_PREFIX):
                 return prefix
         return f"{_SHM_PREFIX}{os.getpid()}-"
+
+    def _console_tail(self) -> str:
+        """Exit status and the last console lines PyTriton captured from tritonserver (private
+        attributes, read defensively: this only serves a post-mortem)."""
+        try:
+            server = self._triton._triton_server
+            cmd = server._tritonserver_running_cmd
+            code = getattr(getattr(cmd, "process", None), "exit_code", None) if cmd is not None else None
+            return f"exit_code={code!r}; output tail:\n{server.logs()[-_LOG_TAIL_CHARS:]}"
+        except Exception as exc:
+            return f"<unavailable: {exc!r}>"
 
     def _log_tail(self) -> str:
         try:
