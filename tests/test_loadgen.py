@@ -167,3 +167,32 @@ def test_cli_rejects_bad_combinations() -> None:
     assert main(["--url", "http://127.0.0.1:9", "--synthetic", "5", "--rate", "1"]) == 2  # unreachable
     with pytest.raises(SystemExit):
         main(["--url", "u", "--synthetic", "5"])  # no --rate
+
+
+def test_a_worker_restarted_or_down_mid_run_is_reported() -> None:
+    """The monitor's verdict input: samples of `/admin/workers` bodies (as the gateway returns
+    them). A new epoch or a non-`up` health in any sample names the worker."""
+    import asyncio
+
+    from app.loadgen.gateway import LagMonitor
+
+    def body(epoch: str, health: str) -> dict:
+        snap = {"block_size": "64", "health": health, "epoch": epoch, "lag_ms": "0", "max_lag_ms": "0"}
+        return {"workers": {"prefill@a:1": {"role": "prefill", "snapshot": snap}}}
+
+    class Bodies:  # replays recorded admin answers; the parsing under test is the real one
+        def __init__(self, seq: list[dict]) -> None:
+            self.seq = seq
+
+        async def workers(self):  # type: ignore[no-untyped-def]
+            return parse_workers(self.seq.pop(0))
+
+    async def run(seq: list[dict]) -> list[str]:
+        mon = LagMonitor(Bodies(seq))  # type: ignore[arg-type]
+        for _ in range(len(seq)):
+            await mon._sample()
+        return mon.worker_incidents()
+
+    assert asyncio.run(run([body("e1", "up"), body("e1", "up")])) == []
+    assert asyncio.run(run([body("e1", "up"), body("e2", "up")])) == ["prefill@a:1 restarted during the run"]
+    assert asyncio.run(run([body("e1", "up"), body("e1", "down")])) == ["prefill@a:1 was down during the run"]

@@ -177,6 +177,9 @@ def build_results(
             f"engines fell behind the modelled schedule: mean lag {mean_lag:.1f} ms is "
             f"{100 * (ratio or 0):.1f}% of TTFT p50 (limit {100 * MAX_LAG_RATIO:.0f}%)"
         )
+    incidents = lag.worker_incidents()
+    if incidents:
+        reasons.append("workers failed mid-run: " + "; ".join(incidents))
     if stats.prompt_token_mismatches:
         reasons.append(
             f"{stats.prompt_token_mismatches} prompts were not tokenised to the trace's input length "

@@ -33,6 +33,7 @@ class WorkerView:
     health: str
     lag_ms: float
     max_lag_ms: float
+    epoch: str = ""
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ def parse_workers(body: dict[str, Any]) -> tuple[WorkerView, ...]:
                 health=str(snap.get("health", "unknown")),
                 lag_ms=_f(snap.get("lag_ms")),
                 max_lag_ms=_f(snap.get("max_lag_ms")),
+                epoch=str(snap.get("epoch", "")),
             )
         )
     return tuple(out)
@@ -202,11 +204,26 @@ class LagMonitor:
     max_before: dict[str, float] = field(default_factory=dict)
     max_after: dict[str, float] = field(default_factory=dict)
     failures: int = 0
+    # A worker that restarted (new epoch) or was not `up` in some sample served part of the run
+    # short-handed: the run says nothing about the policy then (a prefill worker lost mid-run
+    # once made a comparison look 10x worse).
+    epochs: dict[str, set[str]] = field(default_factory=dict)
+    not_up: dict[str, str] = field(default_factory=dict)
 
     async def _sample(self) -> dict[str, float]:
         ws = await self.admin.workers()
         self.samples.extend(w.lag_ms for w in ws)
+        for w in ws:
+            if w.epoch:
+                self.epochs.setdefault(w.worker_id, set()).add(w.epoch)
+            if w.health != "up":
+                self.not_up.setdefault(w.worker_id, w.health)
         return {w.worker_id: w.max_lag_ms for w in ws}
+
+    def worker_incidents(self) -> list[str]:
+        out = [f"{w} restarted during the run" for w, e in sorted(self.epochs.items()) if len(e) > 1]
+        out += [f"{w} was {h} during the run" for w, h in sorted(self.not_up.items())]
+        return out
 
     async def start(self) -> None:
         try:
