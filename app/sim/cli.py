@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--poll-interval-ms", type=_positive_float, default=None, help="owner poll interval")
     ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher (1 ms)")
     ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply (1 ms)")
+    ap.add_argument(
+        "--kv-handle-ttl-ms",
+        type=_positive_float,
+        default=30_000.0,
+        help="how long a prefilled KV stays pinned when no decode fetches it (worker default 30000)",
+    )
     ap.add_argument("--batch-max-size", type=_positive_int, default=None, help="batcher max_size")
     ap.add_argument("--batch-wait-ms", type=float, default=None, help="batcher wait_ms")
     ap.add_argument(
@@ -149,6 +155,7 @@ def main(argv: list[str]) -> int:
             slo_ttft_ms=args.slo_ttft_ms,
             handoff_latency_ms=args.handoff_latency_ms,
             reply_latency_ms=args.reply_latency_ms,
+            kv_handle_ttl_ms=args.kv_handle_ttl_ms,
             candidates=args.candidates,
             batcher=base,
             **kw,  # type: ignore[arg-type]

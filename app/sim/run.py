@@ -148,6 +148,7 @@ def run_simulation(
         "speculative_ttl_ms": cfg.speculative_ttl_ms,
         "handoff_latency_ms": cfg.handoff_latency_ms,
         "reply_latency_ms": cfg.reply_latency_ms,
+        "kv_handle_ttl_ms": cfg.kv_handle_ttl_ms,
         "pooled_kv_capacity_tokens": pooled,
         "notes": [
             "times are modelled ms on a virtual clock (engine profile above), not wall time",
