@@ -10,7 +10,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -268,52 +268,54 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         }
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def gen() -> AsyncIterator[bytes]:
-        detok = IncrementalDetokenizer(r.tokenizer)
+    def piece(text: str, where: str) -> dict[str, Any]:
+        return {"text": text, "logprobs": None}
 
-        def chunk(text: str, finish: str | None = None) -> bytes:
-            return _sse(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-                }
-            )
+    gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece)
+    return await _stream_response(request, gen)
 
-        async for kind, payload in _relay(r, req):
-            if kind == "first":
-                yield chunk(detok.feed([payload]))
-            elif kind == "tokens":
-                t = detok.feed(payload)
-                if t:
-                    yield chunk(t)
-            elif kind in ("end", "stored"):
-                o = payload if kind == "end" else _stored_or_error(payload)
-                if isinstance(o, ApiError):
-                    yield _sse_error(o)
-                    break
-                if kind == "stored":
-                    yield chunk(_text(r, o["output_ids"]))
-                yield chunk(detok.flush(), o["finish_reason"] or "length")
-                if include_usage:
-                    yield _sse(
-                        {
-                            "id": cid,
-                            "object": "text_completion",
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": _usage(o),
-                        }
-                    )
-            elif kind == "error":
-                yield _sse_error(payload)
+
+async def _openai_stream(
+    r: Any,
+    req: GenRequest,
+    cid: str,
+    created: int,
+    model: str,
+    obj: str,
+    include_usage: bool,
+    piece: Callable[[str, str], dict[str, Any]],
+) -> AsyncIterator[bytes]:
+    """The SSE body both OpenAI endpoints share; they differ only in how a piece of text sits in
+    a choice (`piece(text, where)`, where is first | more | last): `text` for completions, a
+    `delta` for chat. A request id retried after it finished replays its stored outcome."""
+    detok = IncrementalDetokenizer(r.tokenizer)
+
+    def chunk(part: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, **part, "finish_reason": finish}
+        return _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
+
+    async for kind, payload in _relay(r, req):
+        if kind == "first":
+            yield chunk(piece(detok.feed([payload]), "first"))
+        elif kind == "tokens":
+            t = detok.feed(payload)
+            if t:
+                yield chunk(piece(t, "more"))
+        elif kind in ("end", "stored"):
+            o = payload if kind == "end" else _stored_or_error(payload)
+            if isinstance(o, ApiError):
+                yield _sse_error(o)
                 break
-        yield b"data: [DONE]\n\n"
-
-    return await _stream_response(request, gen())
+            if kind == "stored":
+                yield chunk(piece(_text(r, o["output_ids"]), "first"))
+            yield chunk(piece(detok.flush(), "last"), o["finish_reason"] or "length")
+            if include_usage:
+                usage = {"id": cid, "object": obj, "created": created, "model": model, "choices": []}
+                yield _sse({**usage, "usage": _usage(o)})
+        elif kind == "error":
+            yield _sse_error(payload)
+            break
+    yield b"data: [DONE]\n\n"
 
 
 def _stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
@@ -379,53 +381,13 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         }
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    async def gen() -> AsyncIterator[bytes]:
-        detok = IncrementalDetokenizer(r.tokenizer)
+    def piece(text: str, where: str) -> dict[str, Any]:
+        if where == "first":
+            return {"delta": {"role": "assistant", "content": text}}
+        return {"delta": {"content": text} if text or where != "last" else {}}
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-            return _sse(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
-                }
-            )
-
-        async for kind, payload in _relay(r, req):
-            if kind == "first":
-                yield chunk({"role": "assistant", "content": detok.feed([payload])})
-            elif kind == "tokens":
-                t = detok.feed(payload)
-                if t:
-                    yield chunk({"content": t})
-            elif kind in ("end", "stored"):
-                o = payload if kind == "end" else _stored_or_error(payload)
-                if isinstance(o, ApiError):
-                    yield _sse_error(o)
-                    break
-                if kind == "stored":
-                    yield chunk({"role": "assistant", "content": _text(r, o["output_ids"])})
-                tail = detok.flush()
-                yield chunk({"content": tail} if tail else {}, o["finish_reason"] or "length")
-                if include_usage:
-                    yield _sse(
-                        {
-                            "id": cid,
-                            "object": "chat.completion.chunk",
-                            "created": created,
-                            "model": model,
-                            "choices": [],
-                            "usage": _usage(o),
-                        }
-                    )
-            elif kind == "error":
-                yield _sse_error(payload)
-                break
-        yield b"data: [DONE]\n\n"
-
-    return await _stream_response(request, gen())
+    gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece)
+    return await _stream_response(request, gen)
 
 
 # ---- native ------------------------------------------------------------------------------------
