@@ -285,20 +285,28 @@ def test_prefix_without_hits_falls_back_to_least_load() -> None:
 
 
 def test_kv_headroom_picks_the_most_unreserved_kv() -> None:
-    workers = [
-        dw("A", kv_free_tokens=50_000),
-        dw("B", kv_free_tokens=80_000, reserved_tokens=40_000),  # headroom 40k
-        dw("C", kv_free_tokens=60_000, reserved_tokens=1_000),  # headroom 59k
+    workers = [  # all 100k total
+        dw("A", kv_free_tokens=50_000),  # headroom 50k (something else holds KV)
+        dw("B", kv_free_tokens=80_000, reserved_tokens=40_000),  # min(80k, 100k - 40k) = 60k
+        dw("C", kv_free_tokens=70_000, reserved_tokens=1_000),  # min(70k, 99k) = 70k
     ]
     choice = make_decode_strategy("kv_headroom").choose(DecodeQuery(1000, 500), workers, rng())
-    assert (choice.worker_id, choice.score, choice.reason) == ("C", 59_000.0, "kv_headroom")
+    assert (choice.worker_id, choice.score, choice.reason) == ("C", 70_000.0, "kv_headroom")
+
+
+def test_kv_headroom_does_not_count_a_running_sequence_twice() -> None:
+    """40k tokens of running sequences are both allocated on the worker (free 60k) and still
+    reserved until their streams end: the headroom is 60k, not 60k − 40k."""
+    busy = dw("A", kv_free_tokens=60_000, reserved_tokens=40_000)
+    choice = make_decode_strategy("kv_headroom").choose(DecodeQuery(40_000, 15_000), [busy], rng())
+    assert (choice.worker_id, choice.score) == ("A", 60_000.0)
 
 
 def test_kv_headroom_fit_and_no_worker() -> None:
     q = DecodeQuery(1000, 500)
-    fits_exactly = dw("A", kv_free_tokens=2000, reserved_tokens=500)  # headroom 1500 = need
+    fits_exactly = dw("A", kv_total_tokens=2000, kv_free_tokens=2000, reserved_tokens=500)  # 1500 = need
     assert make_decode_strategy("kv_headroom").choose(q, [fits_exactly], rng()).worker_id == "A"
-    short = dw("A", kv_free_tokens=2000, reserved_tokens=501)
+    short = dw("A", kv_total_tokens=2000, kv_free_tokens=2000, reserved_tokens=501)
     with pytest.raises(NoWorker) as err:
         make_decode_strategy("kv_headroom").choose(q, [short, dw("B", draining=True)], rng())
     assert err.value.reason == "no decode worker has KV headroom for 1500 tokens"

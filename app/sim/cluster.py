@@ -56,6 +56,7 @@ from app.scheduling.routing import (
     NoWorker,
     PrefillQuery,
     WorkerView,
+    decode_headroom,
     make_decode_strategy,
     make_prefill_strategy,
     top_candidates,
@@ -424,7 +425,7 @@ class ClusterSim:
             best = keys[order[0]]
             band = [j for j in range(n) if keys[j] == best]
         else:  # kv_headroom: most unreserved KV first
-            heads = [v.kv_free_tokens - v.reserved_tokens for v in views]
+            heads = [decode_headroom(v) for v in views]
             order = sorted(range(n), key=lambda j: (-heads[j], j))
             best_h = heads[order[0]]
             floor = best_h - best_h * float(getattr(rep.dstrat, "tie_pct", 0.0))

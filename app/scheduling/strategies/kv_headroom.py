@@ -1,11 +1,12 @@
 """``kv_headroom`` (the default decode strategy): the worker with the most unreserved KV.
 
 A decode request holds its KV for its whole generation, growing to input + max_new tokens, and a
-worker that runs out must preempt or fail running sequences. Headroom = kv_free_tokens −
-reserved_tokens counts what every replica has already promised that worker (reservations are
-updated at each routing decision, the snapshot's free KV only at each poll), so a burst between two
-polls spreads out instead of overfilling the worker that looked emptiest. Most headroom also keeps
-the fleet evenly filled, which keeps decode batches, and so time per output token, even.
+worker that runs out must preempt or fail running sequences. Headroom = min(kv_free, kv_total −
+reserved) (`routing.decode_headroom`) counts what every replica has already promised that worker
+(reservations are updated at each routing decision, the snapshot's free KV only at each poll), so a
+burst between two polls spreads out instead of overfilling the worker that looked emptiest. Most
+headroom also keeps the fleet evenly filled, which keeps decode batches, and so time per output
+token, even.
 
 Headrooms within ``tie_pct`` (5 %) of the best are treated as equal and one is drawn at random:
 replicas rank from the same snapshot, and picking the exact maximum would send all their requests
