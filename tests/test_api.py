@@ -354,6 +354,16 @@ def test_streamed_text_equals_the_stored_text(pair: Cluster) -> None:
         assert final["text"] == bytes(final["output_ids"]).decode()
 
 
+def test_prefill_only_request_leaves_no_pinned_kv(pair: Cluster) -> None:
+    """`max_tokens: 1` never touches decode, so nothing would fetch (and unpin) its KV: the origin
+    releases the handle itself instead of leaving it pinned until the handle expires."""
+    rid = f"one-{uuid.uuid4().hex[:8]}"
+    body = {"prompt": "prefill only " * 20, "max_new_tokens": 1, "request_id": rid}
+    resp = httpx.post(pair.a.url + "/v1/generate", json=body, timeout=30)
+    assert resp.status_code == 200 and resp.json()["decode_worker"] == "", resp.text
+    wait_for(lambda: not engine_holds(pair, rid), 5, what="prefill KV released")
+
+
 def test_chat_turns_keep_a_prefix_and_reuse_the_cache(pair: Cluster, workers_reset) -> None:
     """The template renders turn n as a prefix of turn n+1, so through the real API every turn's
     prompt is longer and its cached tokens grow (cost routing sends it to the cache holder). The

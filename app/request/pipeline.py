@@ -84,6 +84,7 @@ class Pipeline:
         self.r = replica
         self.handoff = Handoff(replica.store)
         self.rng = random.Random()
+        self._background: set[asyncio.Task[None]] = set()  # fire-and-forget worker calls
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
         self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
@@ -305,6 +306,9 @@ class Pipeline:
                 p.output_ids.append(first)
                 yield ("first", first)
             if req.max_new_tokens == 1:
+                # No decode will fetch this KV: unpin it now rather than at the handle's expiry
+                # (30 s of pinned prefix the cache could otherwise evict or reuse).
+                self._release_prefill_kv(p.prefill_worker, rid, reply.get("epoch", ""))
                 p.finish_reason = "length"
                 return
             reason = ""
@@ -508,6 +512,17 @@ class Pipeline:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
         await self._finish(req, p, state, self._outcome(req, p, state, err))
+
+    def _release_prefill_kv(self, wid: str, rid: str, epoch: str) -> None:
+        async def release() -> None:
+            try:
+                await self.r.client(wid).release(rid, epoch, timeout=2.0)
+            except Exception as exc:  # the handle still expires on its own
+                log.debug("kv release of %s on %s failed: %s", rid, wid, exc)
+
+        t = asyncio.create_task(release())
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
 
     def cancel_local(self, request_id: str) -> bool:
         task = self.live.get(request_id)

@@ -108,6 +108,10 @@ class WorkerClient:
     async def cancel(self, some_id: str, timeout: float | None = 5.0) -> dict[str, Any]:
         return await self.control({"op": "cancel", "id": some_id}, timeout)
 
+    async def release(self, request_id: str, epoch: str = "", timeout: float | None = 5.0) -> dict[str, Any]:
+        """Free a prefilled request's pinned KV handle (its prefix stays cached, unpinned)."""
+        return await self.control({"op": "release", "request_id": request_id, "epoch": epoch}, timeout)
+
     async def configure(self, timeout: float | None = 10.0, **options: Any) -> dict[str, Any]:
         return await self.control({"op": "configure", **options}, timeout)
 
