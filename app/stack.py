@@ -22,6 +22,8 @@ from typing import IO
 
 import httpx
 
+from workers.server.spawn import ReadyLine
+
 
 class StartError(RuntimeError):
     pass
@@ -94,31 +96,14 @@ def _restart_worker(p: Proc, log_dir: Path, env: dict[str, str]) -> Proc:
 
 
 def _worker_ready(p: Proc, timeout: float) -> None:
-    assert p.popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = p.popen.stdout.readline()
-        if not line:
-            if p.popen.poll() is not None:
-                raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "worker_ready":
-            p.info = ev
-            # keep draining stdout into the log so the worker never blocks on a full pipe
-            p.drainer = threading.Thread(target=_drain, args=(p,), daemon=True)
-            p.drainer.start()
-            return
-    raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
-
-
-def _drain(p: Proc) -> None:
-    assert p.popen.stdout is not None
-    for line in p.popen.stdout:
-        p.log.write(line)
+    reader = ReadyLine(p.popen, sink=p.log.write)  # later stdout lines go to the worker's log
+    p.drainer = reader.thread
+    info = reader.wait(timeout)
+    if info is None:
+        if p.popen.poll() is not None:
+            raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
+        raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
+    p.info = info
 
 
 def _wait_http(p: Proc, url: str, timeout: float, ready: bool = False) -> dict:

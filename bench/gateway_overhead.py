@@ -36,13 +36,11 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import queue
 import secrets
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections import Counter
@@ -58,6 +56,8 @@ import numpy as np
 import psutil
 from rich.console import Console
 from rich.table import Table
+
+from workers.server.spawn import ReadyLine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "out"
@@ -143,13 +143,6 @@ def _dump_stacks(pid: int, path: Path) -> None:
         console.print(f"[red]  its stacks: {path}")
 
 
-def _pump(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
-    """Drain a worker's stdout: an undrained pipe would block the worker once it fills."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        out.put(line)
-
-
 def start_worker(role: str, log_dir: Path, timeout: float = 120.0) -> Proc:
     """`flexlb worker` on 127.0.0.1; waits (bounded) for its `worker_ready` JSON line."""
     log_path = log_dir / f"{role}-{uuid.uuid4().hex[:6]}.log"
@@ -174,21 +167,10 @@ def start_worker(role: str, log_dir: Path, timeout: float = 120.0) -> Proc:
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
         )
     w = Proc(f"{role} worker", popen, log_path)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_pump, args=(popen, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            if popen.poll() is not None:
-                break
-            continue
-        with contextlib.suppress(ValueError):
-            ev = json.loads(line)
-            if isinstance(ev, dict) and ev.get("event") == "worker_ready":
-                w.info = ev
-                return w
+    info = ReadyLine(popen).wait(timeout)
+    if info is not None:
+        w.info = info
+        return w
     w.stop()
     raise RuntimeError(f"{role} worker not ready (rc={popen.returncode}): {w.log_tail()}")
 

@@ -25,11 +25,9 @@ import contextlib
 import json
 import os
 import platform
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -46,6 +44,7 @@ from rich.table import Table
 
 from app.rpc.worker_client import WorkerClient
 from workers.engine.tokens import output_tokens
+from workers.server.spawn import ReadyLine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "out"
@@ -64,7 +63,6 @@ class Worker:
     proc: subprocess.Popen[str]
     ready: dict[str, Any]
     log_path: Path
-    lines: queue.Queue[str] = field(default_factory=queue.Queue)
 
     @property
     def address(self) -> str:
@@ -86,14 +84,6 @@ class Worker:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode
-
-
-def _pump_lines(proc: subprocess.Popen[str], out: queue.Queue[str]) -> None:
-    """Drain the worker's stdout on a thread: readline() alone cannot time out, and an undrained
-    pipe could block the worker once it fills."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        out.put(line)
 
 
 def start_worker(
@@ -118,21 +108,11 @@ def start_worker(
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env={**os.environ, **env}
         )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_pump_lines, args=(proc, lines), daemon=True).start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.2)
-        except queue.Empty:
-            if proc.poll() is not None:
-                break
-            continue
-        with contextlib.suppress(ValueError):
-            ev = json.loads(line)
-            if isinstance(ev, dict) and ev.get("event") == "worker_ready":
-                return Worker(role, proc, ev, log_path, lines)
-    w = Worker(role, proc, {}, log_path, lines)
+    reader = ReadyLine(proc)
+    info = reader.wait(timeout)
+    if info is not None:
+        return Worker(role, proc, info, log_path)
+    w = Worker(role, proc, {}, log_path)
     w.stop()
     tail = log_path.read_text(errors="replace")[-2000:]
     raise RuntimeError(f"{role} worker did not become ready (rc={proc.returncode}); log tail:\n{tail}")

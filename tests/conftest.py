@@ -7,18 +7,18 @@ Each worker costs ~6 s to start, so tests never start their own; they reconfigur
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from workers.server.spawn import ReadyLine, worker_argv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,6 +31,14 @@ class WorkerProc:
     epoch: str
     ready: dict
     log_path: Path
+    stdout: list[str] = field(default_factory=list)  # what it printed after its ready line
+    reader: ReadyLine | None = None
+
+    def stdout_after_exit(self) -> list[str]:
+        """Its stdout lines once it exited and the reader drained the pipe."""
+        if self.reader is not None:
+            self.reader.thread.join(5)
+        return self.stdout
 
     def kill_hard(self) -> None:
         """SIGKILL the worker and its Triton server together, like a crashed container."""
@@ -52,25 +60,20 @@ def start_worker(role: str, tmp: Path, *args: str, timeout: float = 90.0) -> Wor
     """Start `flexlb worker` and wait (bounded) for its ready line."""
     log_path = tmp / f"{role}-{time.monotonic_ns()}.log"
     out = open(log_path, "w+")  # noqa: SIM115 - lives as long as the process
-    cmd = [sys.executable, "-m", "app.cli", "worker", "--role", role, "--log-level", "WARNING", *args]
     # Own session: a hard kill can take the whole process group (worker + tritonserver + stubs).
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True
+        worker_argv(role, args),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=out,
+        text=True,
+        start_new_session=True,
     )
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "worker_ready":
-            return WorkerProc(role, proc, ev["address"], ev["epoch"], ev, log_path)
+    lines: list[str] = []
+    reader = ReadyLine(proc, sink=lines.append)
+    ev = reader.wait(timeout)
+    if ev is not None:
+        return WorkerProc(role, proc, ev["address"], ev["epoch"], ev, log_path, lines, reader)
     proc.kill()
     out.seek(0)
     raise RuntimeError(f"worker {role} did not start: {out.read()[-3000:]}")

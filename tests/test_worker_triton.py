@@ -324,5 +324,5 @@ def test_sigint_also_stops(worker_tmp: Path) -> None:
     w = start_worker("decode", worker_tmp)
     w.proc.send_signal(signal.SIGINT)
     assert w.proc.wait(15) == 0
-    out = json.loads(w.proc.stdout.read().strip().splitlines()[-1])  # type: ignore[union-attr]
+    out = json.loads(w.stdout_after_exit()[-1])
     assert out["event"] == "worker_stopped"
