@@ -18,7 +18,7 @@ from app.rpc.worker_client import WorkerClient
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 
-from .gateways import ADMIN_TOKEN, Gateway, wait_for
+from .gateways import ADMIN_TOKEN, Gateway, start_gateway, wait_for
 from .test_batching_live import one_prefill_cluster  # noqa: F401  (shared fixture)
 
 H = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -295,3 +295,42 @@ def _events(gw: Gateway, rid: str) -> list[dict[str, Any]]:
 async def _get(gw: Gateway, rid: str) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=10) as c:
         return (await c.get(gw.url + f"/v1/requests/{rid}")).json()
+
+
+def test_batch_that_fails_before_the_worker_accepts_it_is_retried_once_elsewhere(
+    worker_pool, worker_tmp, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """A prefill worker dies between routing and dispatch (SIGKILL, so the owner's gRPC call is
+    refused before any `accepted`): nothing ran, so the origin re-routes the request once, to the
+    other prefill worker, and the client sees a normal answer."""
+    from .conftest import start_worker
+
+    doomed = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1")
+    p = worker_pool["prefill"][0]
+    d = worker_pool["decode"][0]
+    spec = f"prefill@{p.address},prefill@{doomed.address},decode@{d.address}"
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
+    try:
+        wait_for(lambda: a.readyz()["ready"], 15, what="ready")
+        _configure(a, prefill_strategy="round_robin")
+        doomed_id = f"prefill@{doomed.address}"
+
+        def send(tag: str) -> httpx.Response:
+            body = {"prompt": f"retry {tag} " * 20, "max_new_tokens": 2}
+            return httpx.post(a.url + "/v1/generate", json=body, timeout=30)
+
+        # round_robin goes by id: after a request on the survivor, the next one goes to `doomed`
+        for i in range(3):
+            first = send(f"warm{i}")
+            assert first.status_code == 200, first.text
+            if first.json()["prefill_worker"] != doomed_id:
+                break
+        before = _metric(a, "flexlb_prefill_retries_total")
+        doomed.kill_hard()
+        resp = send("after-kill")
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["prefill_worker"] == f"prefill@{p.address}"
+        assert _metric(a, "flexlb_prefill_retries_total") == before + 1
+    finally:
+        a.stop()
+        doomed.stop()
