@@ -93,9 +93,16 @@ class WorkerClient:
     # ---- control --------------------------------------------------------------------------
     async def control(self, body: dict[str, Any], timeout: float | None = 5.0) -> dict[str, Any]:
         arr = np.array([json.dumps(body).encode()], dtype=np.object_)
+        answer: dict[str, Any] | None = None
+        # Read to the stream's natural end instead of leaving after the answer: leaving cancels the
+        # RPC, and cancelling streams as they complete (every poll did, 10 times a second per
+        # worker) is the race in which tritonserver segfaulted (Signal 11) under load.
         async for result in self._stream(W.CONTROL_MODEL, [_inp(W.C_REQUEST, arr, "BYTES")], timeout):
-            return json.loads(result.as_numpy(W.C_RESPONSE)[0])
-        raise WorkerUnavailable(f"{self.address}: control stream ended without a response")
+            if answer is None:
+                answer = json.loads(result.as_numpy(W.C_RESPONSE)[0])
+        if answer is None:
+            raise WorkerUnavailable(f"{self.address}: control stream ended without a response")
+        return answer
 
     async def status(self, since_seq: int = 0, timeout: float | None = 5.0) -> dict[str, Any]:
         return await self.control({"op": "status", "since_seq": since_seq}, timeout)
@@ -170,8 +177,9 @@ class WorkerClient:
             _inp(W.D_KV_WORKER, _b([kv_worker]), "BYTES"),
             _inp(W.D_KV_EPOCH, _b([kv_epoch]), "BYTES"),
         ]
+        finish: DecodeEvent | None = None
         async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
-            yield DecodeEvent(
+            ev = DecodeEvent(
                 event=_s(r.as_numpy(W.D_EVENT)[0]),
                 tokens=r.as_numpy(W.D_TOKENS).tolist(),
                 first_index=int(r.as_numpy(W.D_FIRST_INDEX)[0]),
@@ -181,6 +189,12 @@ class WorkerClient:
                 generated=int(r.as_numpy(W.D_GENERATED)[0]),
                 error=_s(r.as_numpy(W.D_ERROR)[0]),
             )
+            if ev.event == "tokens":
+                yield ev
+            else:  # held until the stream ends by itself: a consumer that stops at `finish`
+                finish = ev  # would otherwise cancel a completing RPC (see `control`)
+        if finish is not None:
+            yield finish
 
 
 def _prefill_event(r: Any) -> PrefillEvent:
