@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import signal
 import subprocess
 import time
@@ -326,3 +328,27 @@ def test_sigint_also_stops(worker_tmp: Path) -> None:
     assert w.proc.wait(15) == 0
     out = json.loads(w.stdout_after_exit()[-1])
     assert out["event"] == "worker_stopped"
+
+
+def test_stale_workspaces_of_dead_workers_are_removed() -> None:
+    """A hard-killed worker leaves its workspace; the next worker to start removes it, and only
+    it: a root whose owner lives, or one without an owner file, stays."""
+    import tempfile
+
+    from workers.server.launcher import _OWNER_FILE, _ROOT_PREFIX, _remove_stale_roots
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    roots = {}
+    for name, owner in (("dead", str(dead.pid)), ("alive", str(os.getpid())), ("foreign", None)):
+        root = Path(tempfile.mkdtemp(prefix=_ROOT_PREFIX))
+        if owner is not None:
+            (root / _OWNER_FILE).write_text(owner)
+        roots[name] = root
+    try:
+        _remove_stale_roots()
+        assert not roots["dead"].exists()
+        assert roots["alive"].exists() and roots["foreign"].exists()
+    finally:
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)

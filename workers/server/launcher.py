@@ -117,6 +117,25 @@ _SHM_INITIAL_BYTES = 64 << 20
 _SHM_GROWTH_BYTES = 16 << 20
 
 
+_ROOT_PREFIX = "flexlb-triton-"
+_OWNER_FILE = "owner.pid"
+
+
+def _remove_stale_roots() -> None:
+    """A worker killed hard (SIGKILL, a crash) cannot remove its workspace (~22 MB each). The next
+    worker to start removes every root whose owner process is gone and that no process (an
+    orphaned tritonserver or stub) still runs from."""
+    for root in Path(tempfile.gettempdir()).glob(f"{_ROOT_PREFIX}*"):
+        try:
+            owner = int((root / _OWNER_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # not ours to judge (no owner file)
+        if Path(f"/proc/{owner}").exists() or _our_processes(str(root)):
+            continue
+        shutil.rmtree(root, ignore_errors=True)
+        log.info("removed stale Triton workspace %s (owner %d is gone)", root, owner)
+
+
 def _size_python_backend_shm() -> None:
     """PyTriton reads these module constants when it writes the backend config (at run())."""
     import pytriton.triton as pt
@@ -173,7 +192,9 @@ class TritonHost:
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.address = address
-        self.root = Path(tempfile.mkdtemp(prefix="flexlb-triton-"))
+        _remove_stale_roots()
+        self.root = Path(tempfile.mkdtemp(prefix=_ROOT_PREFIX))
+        (self.root / _OWNER_FILE).write_text(str(os.getpid()))
         self.log_path = log_path or self.root / "tritonserver.log"
         # Set first thing in stop(): long-running infer functions must end when it is set.
         self.stopping = threading.Event()
