@@ -127,6 +127,24 @@ async def test_commit_is_fenced(store: StateStore) -> None:
     assert (await store.read_ledger(P))["b1"]["predicted_ms"] == 10.0
 
 
+async def test_commit_takes_the_batch_off_the_queued_time_once(store: StateStore) -> None:
+    """The committed batch's predicted ms leave `queued_ms` in the commit itself: once, never
+    below zero, and not for a fenced-out or retried commit."""
+    qkey = store.keys.queued_ms(P)
+    await store.redis.set(qkey, "50.000000")
+    await _own(store, P, "A", 1)
+    await store.commit_batch(P, "b1", ["r1"], 20.0, 0.0, 1, "A", take_ms=20.0)
+    assert float(await store.redis.get(qkey)) == 30.0
+    await store.commit_batch(P, "b1", ["r1"], 20.0, 0.0, 1, "A", take_ms=20.0)  # retried: no take
+    assert float(await store.redis.get(qkey)) == 30.0
+    with pytest.raises(FencedOut):
+        await store.commit_batch(P, "b2", ["r2"], 20.0, 0.0, 7, "A", take_ms=20.0)
+    assert float(await store.redis.get(qkey)) == 30.0
+    await store.tombstone(P, "r3", 60_000)  # cancelled while queued: it still left the queue
+    assert await store.commit_batch(P, "b3", ["r3"], 40.0, 0.0, 1, "A", take_ms=40.0) == []
+    assert float(await store.redis.get(qkey)) == 0.0
+
+
 async def test_commit_honours_tombstones(store: StateStore) -> None:
     await _own(store, P)
     await store.tombstone(P, "r2", 60_000)

@@ -106,7 +106,7 @@ class OwnerDispatcher:
         self._draining = False
         self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record came in
         self._last_audit = 0.0
-        self._marks: set[asyncio.Task[Any]] = set()  # off-path Redis writes (take, `dispatched`)
+        self._marks: set[asyncio.Task[Any]] = set()  # off-path lifecycle `dispatched` writes
 
     def _scaled_config(self) -> BatcherConfig:
         cfg = self.config()
@@ -354,15 +354,11 @@ class OwnerDispatcher:
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
+                take_ms=sum(i.predicted_ms for i in items),
             )
         except FencedOut:
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
             return
-        # The batch left the queue: one TAKE for all of it, off the dispatch's critical path (it
-        # only feeds the queued-time overlay other replicas route by).
-        take = asyncio.create_task(self.handoff.take(self.wid, sum(i.predicted_ms for i in items)))
-        self._marks.add(take)
-        take.add_done_callback(self._marks.discard)
         for rid in set(by_id) - set(kept):  # cancelled while queued: tombstoned before the commit
             await self._reply(
                 by_id[rid], batch_id, {"status": "cancelled", "error": "cancelled while queued"}

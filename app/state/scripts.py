@@ -52,16 +52,26 @@ if total <= 0 then redis.call('HDEL', KEYS[1], '_total') end
 return 1
 """
 
-# KEYS: owner_lease, ledger, tombstones.
-# ARGV: expected lease value "holder|fence", batch_id, entry_json_prefix, members...
+# KEYS: owner_lease, ledger, tombstones, queued_ms.
+# ARGV: expected lease value "holder|fence", batch_id, entry_json_prefix, take_ms, members...
 # → {-1, current_lease} fenced out | {0, kept_json} committed or already committed.
 # The fencing check comes first, so a stale holder learns it is stale even for a retried commit.
 # The batch entry is built here from the kept members, so the caller's JSON has no members field.
 # `entry_json_prefix` is a JSON object without its closing brace, and the script appends
 # `,"members":[...]}`. Caller floats keep their exact text; SETTLE re-encodes only the members.
+# The batch's entries leave the hand-off queue here: `take_ms` comes off queued_ms (never below 0)
+# on the first commit only, and only for the owner the fence lets through — a fenced-out or
+# retried commit takes nothing, so the counter is never taken twice.
 COMMIT_BATCH = (
     _NOW_MS
     + """
+local function take()
+  local ms = tonumber(ARGV[4])
+  if ms == 0 then return end
+  local q = tonumber(redis.call('GET', KEYS[4]) or '0') - ms
+  if q < 0 then q = 0 end
+  redis.call('SET', KEYS[4], string.format('%.6f', q))
+end
 local cur = redis.call('GET', KEYS[1])
 if cur ~= ARGV[1] then return {-1, cur or ''} end
 local existing = redis.call('HGET', KEYS[2], ARGV[2])
@@ -69,9 +79,10 @@ if existing then return {0, cjson.encode(cjson.decode(existing)['members'])} end
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_str)
 if redis.call('ZSCORE', KEYS[3], ARGV[2]) then return {0, '[]'} end
 local kept = {}
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   if not redis.call('ZSCORE', KEYS[3], ARGV[i]) then kept[#kept + 1] = ARGV[i] end
 end
+take()
 if #kept == 0 then return {0, '[]'} end
 local members = cjson.encode(kept)
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3] .. ',"members":' .. members .. '}')

@@ -184,6 +184,7 @@ class StateStore:
         lease_holder: str,
         *,
         epoch: str = "",
+        take_ms: float = 0.0,
     ) -> list[str]:
         """Record a dispatched batch in the worker's ledger and return the members that were kept.
 
@@ -194,7 +195,8 @@ class StateStore:
         ledger is not written again: the call returns its stored members. `start_ms` is the
         owner's anchor for when the worker starts the batch, in ms since the epoch. It may lie in
         the future for a batch queued behind others. `epoch` is the worker epoch the batch was
-        sent to.
+        sent to. `take_ms` (the batch's predicted ms) comes off the hand-off queue's queued-time
+        counter in the same step, once: the entries have left the queue.
         """
         expected = f"{lease_holder}|{fence}"
         if fence <= 0:
@@ -214,8 +216,13 @@ class StateStore:
         )[:-1]
         res = await self._run(
             "commit_batch",
-            [self.keys.owner_lease(wid), self.keys.ledger(wid), self.keys.tombstones(wid)],
-            [expected, batch_id, head, *uniq],
+            [
+                self.keys.owner_lease(wid),
+                self.keys.ledger(wid),
+                self.keys.tombstones(wid),
+                self.keys.queued_ms(wid),
+            ],
+            [expected, batch_id, head, f"{float(take_ms):.6f}", *uniq],
         )
         if int(res[0]) == -1:
             raise FencedOut(wid, expected, _s(res[1]))
