@@ -330,3 +330,10 @@ def _per_worker() -> tuple[Any, ...]:
         WORKER_EPOCH_CHANGES,
         *(g for g, _, _ in _SNAPSHOT_GAUGES if g is not WORKER_KV_FREE),
     )
+
+
+DECODE_RESERVE_RETRIES = Counter(
+    "flexlb_decode_reserve_retries_total",
+    "Decode reservations retried on another worker after the first choice refused (stale snapshot)",
+    registry=REGISTRY,
+)

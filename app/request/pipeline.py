@@ -254,9 +254,32 @@ class Pipeline:
         p.stage = "recorded"
         self._log("queued", req, p)
         if dec:
-            if held == 0:
+            if held == 0 and not await self._reserve_elsewhere(req, p):
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
+
+    async def _reserve_elsewhere(self, req: GenRequest, p: Progress, tries: int = 2) -> bool:
+        """The chosen decode worker refused the reservation: the snapshot we ranked on was older
+        than other replicas' reservations. Try the next best workers (up to `tries`, one round trip
+        each) before answering 429; the simulator showed most such refusals fit elsewhere."""
+        r = self.r
+        refused = {p.decode_worker}
+        need = len(req.input_ids) + req.max_new_tokens
+        for _ in range(tries):
+            views = [v for v in self.views("decode") if v.id not in refused]
+            try:
+                dec = r.decode_strategy.choose(
+                    DecodeQuery(len(req.input_ids), req.max_new_tokens), views, self.rng
+                )
+            except NoWorker:
+                return False
+            cap = int(float(r.snapshots.get(dec.worker_id, {}).get("kv_total_tokens", 0) or 0))
+            M.DECODE_RESERVE_RETRIES.inc()
+            if await r.store.reserve(dec.worker_id, req.request_id, need, cap):
+                p.decode_worker = dec.worker_id
+                return True
+            refused.add(dec.worker_id)
+        return False
 
     async def _execute(self, req: GenRequest, p: Progress) -> AsyncIterator[tuple[str, Any]]:
         r = self.r

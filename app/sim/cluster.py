@@ -313,10 +313,21 @@ class ClusterSim:
                 self._fail(i, "no_worker")
                 return
             need = size + max_new
-            if self.reserved[d] + need > self.deng[d].capacity:
-                self.rejections["decode_reserve_refused"] += 1
-                self._fail(i, "overloaded")
-                return
+            refused: list[str] = []
+            while self.reserved[d] + need > self.deng[d].capacity:
+                # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
+                refused.append(self.dids[d])
+                others = [v for v in rep.dviews if v.id not in refused]
+                if len(refused) > 2 or not others:
+                    self.rejections["decode_reserve_refused"] += 1
+                    self._fail(i, "overloaded")
+                    return
+                try:
+                    d = int(rep.dstrat.choose(dq, others, rep.rng).worker_id.rsplit("-", 1)[1])
+                except NoWorker:
+                    self.rejections["decode_reserve_refused"] += 1
+                    self._fail(i, "overloaded")
+                    return
             self.reserved[d] += need
             self.d_dirty[d] = True
             st.decode = d
