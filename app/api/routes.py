@@ -33,15 +33,17 @@ def _replica(request: Request) -> Any:
     return request.app.state.replica
 
 
-def _ids(request: Request, body_id: str | None = None) -> tuple[str, str]:
-    """(request id, trace id): client id from the body or X-Request-Id, trace from traceparent."""
-    rid = body_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
+    """(request id, trace id, whether the id is freshly generated): a client id from the body or
+    X-Request-Id, else a UUID; the trace from traceparent."""
+    client = body_id or request.headers.get("x-request-id")
+    rid = client or uuid.uuid4().hex
     if not REQUEST_ID.match(rid):
         raise ApiError("invalid_request", "request id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
     tp = request.headers.get("traceparent", "")
     parts = tp.split("-")
     trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
-    return rid, trace
+    return rid, trace, not client
 
 
 def _check_model(r: Any, model: str | None) -> str:
@@ -220,10 +222,10 @@ async def _prepare(
     endpoint: str,
 ) -> GenRequest:
     _check_limits(r, len(ids), max_new)
-    rid, trace = _ids(request, body_rid)
+    rid, trace, fresh = _ids(request, body_rid)
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
-    return GenRequest(rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint)
+    return GenRequest(rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint, fresh_id=fresh)
 
 
 # ---- OpenAI completions ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import time
@@ -17,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
@@ -25,6 +26,7 @@ from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
 from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView
 from app.state.handoff import Handoff, pack_tokens
+from app.state.handoff import s as _s
 from app.state.store import _REQUEST_RESERVED, _flatten
 
 if TYPE_CHECKING:
@@ -49,6 +51,9 @@ class GenRequest:
     timeout_ms: int
     trace_id: str = ""
     endpoint: str = "generate"
+    # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
+    # so recording the request and handing it off may share one round trip.
+    fresh_id: bool = False
 
 
 @dataclass
@@ -165,7 +170,8 @@ class Pipeline:
             self.live.setdefault(rid, task)
         try:
             self._choose_decode(req, p)
-            await self._record(req, p)
+            if not req.fresh_id:
+                await self._record(req, p)  # a client id: refuse a duplicate before any hand-off
             async with asyncio.timeout(req.timeout_ms / 1000):
                 async for ev in self._execute(req, p):
                     yield ev
@@ -257,6 +263,66 @@ class Pipeline:
             if held == 0 and not await self._reserve_elsewhere(req, p):
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
+
+    async def _record_and_append(
+        self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
+    ) -> tuple[str | None, float, int]:
+        """`_record` and the hand-off in ONE pipeline (DESIGN §3: the origin's only serial round
+        trip), for ids the gateway generated. Returns (entry id or None when the queue is full,
+        queued ms, decode hold: 1 new / 0 refused / -1 no decode)."""
+        r = self.r
+        rid = req.request_id
+        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
+        scripts = r.store._scripts
+        dec = p.decode_worker
+        need = len(req.input_ids) + req.max_new_tokens
+        cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
+        ids = pack_tokens(req.input_ids)
+        meta_json = json.dumps(meta, separators=(",", ":"))
+        for reload in (False, True):
+            if reload:
+                await r.store.load_scripts()  # Redis restarted and lost them; the rest is idempotent
+            async with r.redis.pipeline(transaction=False) as pipe:
+                pipe.sadd(r.keys.origin_requests(r.replica_id), rid)
+                pipe.evalsha(
+                    scripts["create_request"].sha,
+                    1,
+                    r.keys.request(rid),
+                    r.replica_id,
+                    *_flatten(fields, _REQUEST_RESERVED),
+                )
+                if dec:
+                    pipe.evalsha(scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap)
+                pipe.evalsha(
+                    scripts["handoff"].sha,
+                    2,
+                    r.keys.queue(wid),
+                    r.keys.queued_ms(wid),
+                    r.settings.max_queue_len,
+                    f"{predicted:.6f}",
+                    meta_json,
+                    ids,
+                )
+                # Whatever applied before a failure must be cleaned up as if handed off.
+                p.stage = "handed_off"
+                try:
+                    res = await pipe.execute()
+                except NoScriptError:
+                    if reload:
+                        raise
+                    continue
+            break
+        r.store.commands_total += len(res)
+        if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
+            await r.store.tombstone(wid, rid, 60_000)
+            raise RuntimeError(f"generated request id {rid} collided")
+        self._log("queued", req, p)
+        held = int(res[2]) if dec else -1
+        entry, queued = _s(res[-1][0]), float(_s(res[-1][1]))
+        if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
+            p.stage = "recorded"
+            return None, queued, held
+        return entry, queued, held
 
     async def _reserve_elsewhere(self, req: GenRequest, p: Progress, tries: int = 2) -> bool:
         """The chosen decode worker refused the reservation: the snapshot we ranked on was older
@@ -377,13 +443,20 @@ class Pipeline:
             "att": attempt,
         }
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
-        entry, queued = await self.handoff.append(
-            wid, meta, pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
-        )
+        held = -1
+        if p.stage == "new":  # a fresh id: record, reserve and hand off in one round trip
+            entry, queued, held = await self._record_and_append(req, p, wid, meta, predicted)
+        else:
+            entry, queued = await self.handoff.append(
+                wid, meta, pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
+            )
         if entry is None:
             r.replies.forget(rid)
             raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)
         p.stage = "handed_off"
+        if held == 0 and not await self._reserve_elsewhere(req, p):
+            # the prefill is queued already: the abort tombstones and cancels it
+            raise ApiError("overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1)
         overhead = time.perf_counter() - p.t0
         M.ORIGIN_OVERHEAD.observe(overhead)
         M.SAMPLES["origin_overhead_s"].add(overhead)
