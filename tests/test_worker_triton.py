@@ -81,6 +81,12 @@ async def test_cache_hits_reported_and_cache_diff(clients) -> None:
     # an unknown epoch (e.g. a poller from before a restart) gets a full snapshot
     full = await c.cache(diff["version"], "someone-else")
     assert full["full"] and len(full["added"]) >= 9
+    # `poll` = status + cache in one call, the same answers as the two calls
+    st2, diff2 = await c.poll(st["seq"], base, epoch)
+    assert st2["epoch"] == epoch and [f["request_id"] for f in st2["finished"]][-1] == r["request_id"]
+    assert not diff2["full"] and set(diff["added"]) <= set(diff2["added"])
+    _, full2 = await c.poll(0, diff["version"], "someone-else")
+    assert full2["full"] and set(full2["added"]) == set(full["added"])
 
 
 async def test_decode_streams_exact_tokens_in_chunks(clients) -> None:

@@ -103,17 +103,15 @@ class WorkerPoller:
 
     async def poll_once(self) -> None:
         try:
-            st = await asyncio.wait_for(
-                self.client.status(self.since_seq, timeout=self.deadline_s), self.deadline_s
+            self.polls += 1
+            since = None if self.polls % self.full_every == 0 else self.cache_version
+            st, cache = await asyncio.wait_for(
+                self.client.poll(self.since_seq, since, self.health.epoch or "", timeout=self.deadline_s),
+                self.deadline_s,
             )
             epoch = st["epoch"]
             if st.get("resync") or (self.health.epoch and epoch != self.health.epoch):
                 self.since_seq = 0
-            self.polls += 1
-            since = None if self.polls % self.full_every == 0 else self.cache_version
-            cache = await asyncio.wait_for(
-                self.client.cache(since, epoch, timeout=self.deadline_s), self.deadline_s
-            )
         except Exception as exc:  # timeout, refused, broken stream: all count as one failure
             await self._changed(self.health.failure())
             log.debug("poll %s failed: %s", self.wid, exc)

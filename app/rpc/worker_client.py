@@ -112,6 +112,16 @@ class WorkerClient:
     ) -> dict[str, Any]:
         return await self.control({"op": "cache", "since_version": since_version, "epoch": epoch}, timeout)
 
+    async def poll(
+        self, since_seq: int, since_version: int | None, epoch: str, timeout: float | None = 5.0
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`status` and `cache` in one round trip (an owner polls each worker 5 times a second).
+        `epoch` is the one the caller last saw: after a restart the cache answer is a full set."""
+        res = await self.control(
+            {"op": "poll", "since_seq": since_seq, "since_version": since_version, "epoch": epoch}, timeout
+        )
+        return res["status"], res["cache"]
+
     async def cancel(self, some_id: str, timeout: float | None = 5.0) -> dict[str, Any]:
         return await self.control({"op": "cancel", "id": some_id}, timeout)
 

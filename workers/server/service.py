@@ -483,6 +483,11 @@ class WorkerService:
             return await self.runner.call(lambda: self._status(int(body.get("since_seq", 0))))
         if op == "cache":
             return await self.runner.call(lambda: self._cache(body))
+        if op == "poll":  # status + cache in one call: what an owner's poll needs
+            since_seq = int(body.get("since_seq", 0))
+            return await self.runner.call(
+                lambda: {"status": self._status(since_seq), "cache": self._cache(body)}
+            )
         if op == "cancel":
             some_id = str(body["id"])
             return await self.runner.call(lambda: self._cancel(some_id))
