@@ -46,6 +46,22 @@ class Proc:
         except OSError:
             return ""
 
+    def why(self) -> str:
+        """The last error its JSON log recorded (e.g. a port already in use), for the one-line
+        reason a user reads first; the log's tail follows it."""
+        self.log.flush()
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        for line in reversed(lines):
+            if '"level": "error"' in line or '"level": "critical"' in line:
+                try:
+                    return str(json.loads(line).get("msg", "")).strip()
+                except ValueError:
+                    return line[:300]
+        return ""
+
     def stop(self, timeout: float = 15.0) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -101,7 +117,7 @@ def _worker_ready(p: Proc, timeout: float) -> None:
     info = reader.wait(timeout)
     if info is None:
         if p.popen.poll() is not None:
-            raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
+            raise StartError(f"{p.name} exited with code {p.popen.returncode}: {p.why()}\n{p.tail()}")
         raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
     p.info = info
 
@@ -111,7 +127,7 @@ def _wait_http(p: Proc, url: str, timeout: float, ready: bool = False) -> dict:
     last = ""
     while time.monotonic() < deadline:
         if p.popen.poll() is not None:
-            raise StartError(f"{p.name} exited with code {p.popen.returncode}:\n{p.tail()}")
+            raise StartError(f"{p.name} exited with code {p.popen.returncode}: {p.why()}\n{p.tail()}")
         try:
             r = httpx.get(url, timeout=1)
             if r.status_code == 200 or (not ready and r.status_code == 503):

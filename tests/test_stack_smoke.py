@@ -317,3 +317,34 @@ def test_sigterm_stops_everything_within_20s(stack: Stack) -> None:
     assert rc == 0, stack.output()[-2000:]
     assert "stopped in" in stack.output()
     wait_for(lambda: not stack.alive(), 3, 0.1, what="no process of the stack left")
+
+
+def test_a_component_that_cannot_start_is_named_and_the_rest_stopped(tmp_path: Path) -> None:
+    """The gateway's port is taken: `flexlb up` says which component failed and why, stops what
+    it had started (workers, Redis) and exits non-zero."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k != "FLEXLB_REDIS_URL"}
+        cmd = [sys.executable, "-m", "app.cli", "up", "--prefill", "1", "--decode", "1", "--gateways", "1"]
+        cmd += ["--port", str(port), "--log-dir", str(tmp_path / "logs")]
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        seen: dict[int, psutil.Process] = {}
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            time.sleep(0.2)
+        if proc.poll() is None:
+            proc.kill()
+        out, err = proc.communicate(timeout=10)
+    assert proc.returncode not in (0, None), out
+    assert "gateway-0 exited" in err and "address already in use" in err.splitlines()[0], err[:500]
+    assert len(seen) >= 3  # it had started Redis and workers before the gateway failed
+    alive = [p for p in seen.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [(p.pid, p.name()) for p in alive]
