@@ -338,3 +338,53 @@ def test_batch_that_fails_before_the_worker_accepts_it_is_retried_once_elsewhere
     finally:
         a.stop()
         doomed.stop()
+
+
+def test_a_refused_decode_reservation_is_placed_on_another_decode_worker(
+    worker_pool, worker_tmp, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """The decode worker the router picks refuses the reservation: other replicas filled it since
+    the snapshot the router ranked on (made stale on purpose: 5 s polls, and the hold is written
+    straight into Redis). The origin reserves on the next decode worker instead of answering 429."""
+    from .conftest import start_worker
+
+    extra = start_worker("decode", worker_tmp, "--profile", "formula", "--formula", "1")
+    p, d = worker_pool["prefill"][0], worker_pool["decode"][0]
+    ids = [f"decode@{d.address}", f"decode@{extra.address}"]
+    spec = ",".join([f"prefill@{p.address}", *ids])
+    a = start_gateway(
+        tmp_path,
+        shared_embedded_redis,
+        cluster,
+        spec,
+        FLEXLB_POLL_INTERVAL_MS="5000",
+        FLEXLB_DECODE_STRATEGY="round_robin",
+    )
+    r = redis.Redis.from_url(shared_embedded_redis)
+    keys = Keys(cluster)
+    try:
+        wait_for(lambda: a.readyz()["ready"], 20, what="ready")
+        body = {"prompt": "which decode " * 10, "max_new_tokens": 3}
+        first = httpx.post(a.url + "/v1/generate", json=body, timeout=30)
+        assert first.status_code == 200, first.text
+        last = first.json()["decode_worker"]
+        nxt = next(w for w in ids if w != last)  # round_robin goes by id: the other one is next
+        cap = int(
+            float(a.get("/admin/workers", admin=True).json()["workers"][nxt]["snapshot"]["kv_total_tokens"])
+        )
+        r.hset(keys.reservations(nxt), mapping={"someone-else": cap, "_total": cap})  # full, unseen
+        before = _metric(a, "flexlb_decode_reserve_retries_total")
+        second = httpx.post(a.url + "/v1/generate", json=body, timeout=30)
+        assert second.status_code == 200, second.text
+        assert second.json()["decode_worker"] == last  # placed on the other worker
+        assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 1
+        assert not r.hexists(keys.reservations(last), second.json()["request_id"])  # released at the end
+        # the same with a client request id (recorded first, then handed off: the other code path)
+        third = httpx.post(a.url + "/v1/generate", json={**body, "request_id": f"rr-{cluster}"}, timeout=30)
+        assert third.status_code == 200 and third.json()["decode_worker"] == last, third.text
+        assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 2
+    finally:
+        r.delete(keys.reservations(ids[1]), keys.reservations(ids[0]))
+        a.stop()
+        extra.stop()
+        r.close()
