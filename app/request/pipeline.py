@@ -24,7 +24,7 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
 from app.state.handoff import Handoff, pack_tokens
 from app.state.handoff import s as _s
 from app.state.store import _REQUEST_RESERVED, _flatten
@@ -127,22 +127,14 @@ class Pipeline:
         return out
 
     def _owed(self, wid: str, snap: dict[str, str]) -> float:
-        """The snapshot's owed time, less what it still counts of our own prefills that have
-        finished since. A snapshot taken while one of them ran (worker clock `now_ms` within its
-        modelled start..end) counts its remaining predicted time, and until the owner's next
-        poll that would make the worker holding a chat's cache look busy with the very request
-        whose cache the next turn wants: the turn would be routed away from its prefix."""
+        """See `routing.owed_less_finished`; entries older than 5 s are long since reflected, or
+        from an older worker epoch."""
         owed = float(snap.get("owed_ms", 0.0) or 0.0)
         done = self.finished.get(wid)
         if not done:
             return owed
         now = float(snap.get("now_ms", 0.0) or 0.0)
-        stale = time.time() - 5.0  # long since reflected, or from an older worker epoch
-        done[:] = [d for d in done if now < d[2] and d[3] > stale]
-        for predicted, start, _end, _ in done:
-            if start <= now:
-                owed -= max(0.0, predicted - (now - start))
-        return max(0.0, owed)
+        return owed_less_finished(owed, now, done, time.time() - 5.0)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():

@@ -238,6 +238,28 @@ def eligible_prefill(
     return out, out_hits
 
 
+def owed_less_finished(
+    owed_ms: float,
+    snap_now_ms: float,
+    finished: list[tuple[float, float, float, float]],
+    stale_before: float,
+) -> float:
+    """A prefill worker's owed time from its snapshot, less what the snapshot still counts of our
+    own prefills that have finished since. A snapshot taken while one of them ran (worker clock
+    `snap_now_ms` within its modelled start..end) counts its remaining predicted time; until the
+    next poll that would make the worker holding a chat's cache look busy with the very request
+    whose cache the next turn wants, and the turn would be routed away from its prefix.
+
+    `finished` holds (predicted ms, modelled start, modelled end, when we learnt it) and is pruned
+    in place of entries the snapshot already reflects or older than `stale_before` (same unit as
+    the fourth field). Used by the gateway (`Pipeline.views`) and the simulator alike."""
+    finished[:] = [d for d in finished if snap_now_ms < d[2] and d[3] > stale_before]
+    for predicted, start, _end, _learnt in finished:
+        if start <= snap_now_ms:
+            owed_ms -= max(0.0, predicted - (snap_now_ms - start))
+    return max(0.0, owed_ms)
+
+
 def decode_headroom(w: WorkerView) -> int:
     """See `eligible_decode`. A snapshot without a total (an old worker) falls back to free − reserved."""
     if w.kv_total_tokens <= 0:

@@ -59,6 +59,7 @@ from app.scheduling.routing import (
     decode_headroom,
     make_decode_strategy,
     make_prefill_strategy,
+    owed_less_finished,
     top_candidates,
 )
 from app.sim.config import SimConfig
@@ -663,15 +664,8 @@ class ClusterSim:
             queued = ov[0]
         owed = s[5]
         done = rep.finished.get(w)
-        if done:
-            # Pipeline._owed: the snapshot still counts our prefills that have finished since.
-            snap_now = s[6]
-            stale = self.now - 5000.0
-            done[:] = [x for x in done if snap_now < x[2] and x[3] > stale]
-            for predicted, start, _end, _t in done:
-                if start <= snap_now:
-                    owed -= max(0.0, predicted - (snap_now - start))
-            owed = max(0.0, owed)
+        if done:  # as Pipeline._owed: our prefills that finished since the snapshot
+            owed = owed_less_finished(owed, s[6], done, self.now - 5000.0)
         return WorkerView(
             id=self.pids[w],
             role="prefill",

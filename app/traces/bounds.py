@@ -30,17 +30,22 @@ __all__ = [
 ]
 
 
+def _leading(hashes: tuple[int, ...], present: set[int] | OrderedDict[int, None]) -> int:
+    """How many of a request's blocks, from the first, the cache holds (counting stops at a miss)."""
+    n = 0
+    for h in hashes:
+        if h not in present:
+            break
+        n += 1
+    return n
+
+
 def _infinite_hits(trace: Trace) -> list[int]:
     """Leading hit blocks per request with an unlimited global cache."""
     seen: set[int] = set()
     out: list[int] = []
     for r in trace.requests:
-        n = 0
-        for h in r.block_hashes:
-            if h not in seen:
-                break
-            n += 1
-        out.append(n)
+        out.append(_leading(r.block_hashes, seen))
         seen.update(r.block_hashes)
     return out
 
@@ -59,12 +64,7 @@ def _lru_hits(trace: Trace, capacity_tokens: int) -> list[int]:
     out: list[int] = []
     move = lru.move_to_end
     for r in trace.requests:
-        n = 0
-        for h in r.block_hashes:
-            if h not in lru:
-                break
-            n += 1
-        out.append(n)
+        out.append(_leading(r.block_hashes, lru))
         if cap == 0:
             continue
         for h in reversed(r.block_hashes):
