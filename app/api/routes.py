@@ -162,7 +162,10 @@ async def _relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
             # not whenever the suspended generator is garbage-collected.
             async with contextlib.aclosing(r.pipeline.run(req)) as events:
                 async for ev in events:
-                    await asyncio.wait_for(q.put(ev), stall)
+                    # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands as the put
+                    # completes, and a DELETE of a streaming request was then lost for good.
+                    async with asyncio.timeout(stall):
+                        await q.put(ev)
         except StoredOutcome as so:
             last(("stored", so.outcome))
         except ApiError as err:

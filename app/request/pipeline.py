@@ -501,6 +501,8 @@ class Pipeline:
                 timeout=req.timeout_ms / 1000,
             ):
                 if ev.event == "tokens":
+                    if req.request_id in self.cancel_requested:  # a cancel something swallowed
+                        raise asyncio.CancelledError
                     p.output_ids.extend(ev.tokens)
                     yield ev.tokens
                 else:
