@@ -354,6 +354,30 @@ def test_streamed_text_equals_the_stored_text(pair: Cluster) -> None:
         assert final["text"] == bytes(final["output_ids"]).decode()
 
 
+def test_http_metrics_keep_the_method_label_bounded(pair: Cluster) -> None:
+    """A client can send any token as an HTTP method; the HTTP metrics must not grow a series for
+    each one. httptools already refuses unknown methods (400) before the app; behind a parser that
+    accepts them (h11), the outermost middleware counts them as `OTHER`."""
+    import asyncio
+
+    from app.gateway.app import _BoundedMethod
+
+    odd = f"M{uuid.uuid4().hex[:8].upper()}"
+    resp = httpx.request(odd, pair.a.url + "/v1/models", timeout=5)
+    assert resp.status_code in (400, 404, 405)
+    assert odd not in pair.a.get("/metrics").text
+
+    seen: list[str] = []
+
+    async def inner(scope: dict, receive: Any, send: Any) -> None:
+        seen.append(scope["method"])
+
+    mw = _BoundedMethod(inner)
+    for method in (odd, "GET", "DELETE"):
+        asyncio.run(mw({"type": "http", "method": method}, None, None))
+    assert seen == ["OTHER", "GET", "DELETE"]
+
+
 def test_prefill_only_request_leaves_no_pinned_kv(pair: Cluster) -> None:
     """`max_tokens: 1` never touches decode, so nothing would fetch (and unpin) its KV: the origin
     releases the handle itself instead of leaving it pinned until the handle expires."""

@@ -6,6 +6,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -49,6 +50,7 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     Instrumentator(registry=M.REGISTRY, excluded_handlers=["/metrics", "/healthz", "/readyz"]).instrument(
         app, metric_namespace="flexlb"
     )
+    app.add_middleware(_BoundedMethod)  # outermost: the HTTP metrics see the bounded method
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -77,3 +79,20 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
         return Response(generate_latest(M.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class _BoundedMethod:
+    """The HTTP metrics label each request with its method, and a client may send any token as a
+    method: each would add series for good. Non-standard methods become `OTHER` (they are answered
+    405/404 all the same)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] not in _METHODS:
+            scope = {**scope, "method": "OTHER"}
+        await self.app(scope, receive, send)
