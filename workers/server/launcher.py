@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import sys
 import sysconfig
 import tempfile
@@ -37,6 +36,8 @@ from typing import Any, Self
 
 from pytriton.model_config import ModelConfig, Tensor
 from pytriton.triton import TRITON_ACCESS_HEADER, Triton, TritonConfig, TritonSecurityConfig
+
+from app.netports import free_port
 
 log = logging.getLogger("flexlb.worker.triton")
 
@@ -68,17 +69,6 @@ def fix_libpython_path() -> None:
     if parts[:1] == [libdir]:
         return
     os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *(p for p in parts if p != libdir)])
-
-
-def free_port() -> int:
-    """Ask the kernel for a free TCP port on localhost.
-
-    The port is released before Triton binds it, so another process can race us for it; on a test
-    box that is rare enough, and Triton then fails loudly at start instead of serving elsewhere.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _quiet_pytriton_logs() -> None:
