@@ -36,6 +36,7 @@ from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
 from app.state.keys import Keys
+from app.state.resp import RespConnection
 from app.state.store import StateStore
 from app.tokens.tokenizer import load_tokenizer
 
@@ -62,6 +63,10 @@ class Replica:
         # Heartbeats and lease renewals get their own small pool: a burst of requests exhausting the
         # request path's connections must never make this replica lose its leases.
         self.control_redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        # The origin's one serial round trip (record + reserve + hand-off) runs on a lean pipelined
+        # connection (see app/state/resp.py for the measured why); None for URLs it cannot speak
+        # (TLS, sentinels), which then take redis-py's pipeline.
+        self.fast_redis = RespConnection.from_url(redis_url)
         self.store = StateStore(self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s)
         self.registry = Registry(self.redis, self.keys)
         self.membership = Membership(
@@ -265,6 +270,9 @@ class Replica:
                 await c.close()
         with contextlib.suppress(Exception):
             await self.redis.aclose()
+        if self.fast_redis is not None:
+            with contextlib.suppress(Exception):
+                await self.fast_redis.close()
         with contextlib.suppress(Exception):
             await self.follower.redis.aclose()
         with contextlib.suppress(Exception):

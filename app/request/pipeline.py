@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
@@ -271,40 +271,41 @@ class Pipeline:
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
         ids = pack_tokens(req.input_ids)
         meta_json = json.dumps(meta, separators=(",", ":"))
-        for reload in (False, True):
-            if reload:
-                await r.store.load_scripts()  # Redis restarted and lost them; the rest is idempotent
-            async with r.redis.pipeline(transaction=False) as pipe:
-                pipe.sadd(r.keys.origin_requests(r.replica_id), rid)
-                pipe.evalsha(
-                    scripts["create_request"].sha,
-                    1,
-                    r.keys.request(rid),
-                    r.replica_id,
-                    *_flatten(fields, _REQUEST_RESERVED),
-                )
-                if dec:
-                    pipe.evalsha(scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap)
-                pipe.evalsha(
-                    scripts["handoff"].sha,
-                    2,
-                    r.keys.queue(wid),
-                    r.keys.queued_ms(wid),
-                    r.settings.max_queue_len,
-                    f"{predicted:.6f}",
-                    meta_json,
-                    ids,
-                )
-                # Whatever applied before a failure must be cleaned up as if handed off.
-                p.stage = "handed_off"
-                try:
-                    res = await pipe.execute()
-                except NoScriptError:
-                    if reload:
-                        raise
-                    continue
-            break
-        r.store.commands_total += len(res)
+        cmds: list[list[Any]] = [
+            ["SADD", r.keys.origin_requests(r.replica_id), rid],
+            [
+                "EVALSHA",
+                scripts["create_request"].sha,
+                1,
+                r.keys.request(rid),
+                r.replica_id,
+                *_flatten(fields, _REQUEST_RESERVED),
+            ],
+        ]
+        if dec:
+            cmds.append(["EVALSHA", scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap])
+        cmds.append(
+            [
+                "EVALSHA",
+                scripts["handoff"].sha,
+                2,
+                r.keys.queue(wid),
+                r.keys.queued_ms(wid),
+                r.settings.max_queue_len,
+                f"{predicted:.6f}",
+                meta_json,
+                ids,
+            ]
+        )
+        # Whatever applied before a failure must be cleaned up as if handed off.
+        p.stage = "handed_off"
+        res = await self._pipeline(cmds)
+        if any(isinstance(x, NoScriptError) for x in res):
+            await r.store.load_scripts()  # Redis restarted and lost them; the rest is idempotent
+            res = await self._pipeline(cmds)
+        for x in res:
+            if isinstance(x, ResponseError):
+                raise x
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await r.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
@@ -315,6 +316,18 @@ class Pipeline:
             p.stage = "recorded"
             return None, queued, held
         return entry, queued, held
+
+    async def _pipeline(self, cmds: list[list[Any]]) -> list[Any]:
+        """One round trip, error replies returned in place: the lean connection when the URL
+        allows it, else redis-py's pipeline."""
+        r = self.r
+        r.store.commands_total += len(cmds)
+        if r.fast_redis is not None:
+            return await r.fast_redis.pipeline(cmds)
+        async with r.redis.pipeline(transaction=False) as pipe:
+            for c in cmds:
+                pipe.execute_command(*c)
+            return list(await pipe.execute(raise_on_error=False))
 
     async def _reserve_elsewhere(self, req: GenRequest, p: Progress, tries: int = 2) -> bool:
         """The chosen decode worker refused the reservation: the snapshot we ranked on was older

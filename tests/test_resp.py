@@ -1,0 +1,109 @@
+"""The lean RESP connection the origin's hand-off round trip uses (app/state/resp.py), against a
+real Redis: replies in order under concurrency, error replies in place, and recovery from a
+connection the server killed or that timed out."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from app.state import scripts
+from app.state.resp import RespConnection, encode
+
+
+def test_encode_is_resp_bulk_arrays() -> None:
+    assert encode([["SET", "k", 5], ["GET", b"k\x00"]]) == (
+        b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$1\r\n5\r\n*2\r\n$3\r\nGET\r\n$2\r\nk\x00\r\n"
+    )
+    assert encode([["X", 1.5]]) == b"*2\r\n$1\r\nX\r\n$3\r\n1.5\r\n"
+
+
+def test_urls_it_cannot_speak_fall_back() -> None:
+    assert RespConnection.from_url("rediss://h:6380/0") is None
+    assert RespConnection.from_url("redis://h:6379/0?health_check_interval=2") is None
+    c = RespConnection.from_url("redis://:pw@h:7000/3")
+    assert c is not None and (c.host, c.port, c.db, c.password) == ("h", 7000, 3, "pw")
+
+
+async def test_pipeline_replies_match_redis_py(redis_url: str) -> None:
+    r = aioredis.from_url(redis_url)
+    c = RespConnection(redis_url)
+    k = f"t-resp:{uuid.uuid4().hex}"
+    try:
+        sha = await r.script_load(scripts.HANDOFF)
+        res = await c.pipeline(
+            [
+                ["SET", k + ":s", "v"],
+                ["INCRBY", k + ":n", 7],
+                ["GET", k + ":s"],
+                ["HSET", k + ":h", "a", 1],
+                ["LPUSH", k + ":s", "x"],  # WRONGTYPE: an error reply, in place
+                ["EVALSHA", sha, 2, k + ":q", k + ":qms", 10, "2.5", "{}", b"\x01\x00\x00\x00"],
+                ["EVALSHA", "0" * 40, 0],
+            ]
+        )
+        assert res[:4] == [b"OK", 7, b"v", 1]
+        assert isinstance(res[4], ResponseError) and "WRONGTYPE" in str(res[4])
+        entry, queued = res[5]
+        assert entry.count(b"-") == 1 and queued == b"2.500000"
+        assert await r.xlen(k + ":q") == 1
+        assert isinstance(res[6], NoScriptError)
+    finally:
+        await r.delete(k + ":s", k + ":n", k + ":h", k + ":q", k + ":qms")
+        await c.close()
+        await r.aclose()
+
+
+async def test_concurrent_pipelines_keep_their_replies(redis_url: str) -> None:
+    c = RespConnection(redis_url)
+    r = aioredis.from_url(redis_url)
+    k = f"t-resp:{uuid.uuid4().hex}"
+
+    async def one(i: int) -> list:
+        return await c.pipeline([["SET", f"{k}:{i}", i], ["INCRBY", f"{k}:{i}", i], ["GET", f"{k}:{i}"]])
+
+    try:
+        out = await asyncio.gather(*(one(i) for i in range(200)))
+        assert [o[2] for o in out] == [str(2 * i).encode() for i in range(200)]
+    finally:
+        await r.delete(*(f"{k}:{i}" for i in range(200)))
+        await c.close()
+        await r.aclose()
+
+
+async def test_killed_connection_fails_waiters_then_reconnects(redis_url: str) -> None:
+    """A real fault: the server drops our connection (CLIENT KILL) while a command waits."""
+    c = RespConnection(redis_url)
+    r = aioredis.from_url(redis_url)
+    k = f"t-resp:{uuid.uuid4().hex}"
+    try:
+        (my_id,) = await c.pipeline([["CLIENT", "ID"]])
+        waiting = asyncio.create_task(c.pipeline([["BLPOP", k, 5]]))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        assert await r.execute_command("CLIENT", "KILL", "ID", my_id) == 1
+        with pytest.raises(RedisConnectionError):
+            await asyncio.wait_for(waiting, 3)
+        (new_id,) = await c.pipeline([["CLIENT", "ID"]])
+        assert new_id != my_id
+    finally:
+        await c.close()
+        await r.aclose()
+
+
+async def test_timeout_raises_and_the_next_call_works(redis_url: str) -> None:
+    c = RespConnection(redis_url, timeout_s=0.2)
+    k = f"t-resp:{uuid.uuid4().hex}"
+    try:
+        with pytest.raises(RedisTimeoutError):
+            await c.pipeline([["BLPOP", k, 2]])
+        # the late BLPOP answer must not be taken for this one's (a fresh connection is used)
+        assert await c.pipeline([["ECHO", "after"]]) == [b"after"]
+    finally:
+        await c.close()
