@@ -5,6 +5,7 @@ connection the server killed or that timed out."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -97,13 +98,20 @@ async def test_killed_connection_fails_waiters_then_reconnects(redis_url: str) -
         await r.aclose()
 
 
-async def test_timeout_raises_and_the_next_call_works(redis_url: str) -> None:
+async def test_timeout_raises_and_the_late_reply_is_dropped(redis_url: str) -> None:
     c = RespConnection(redis_url, timeout_s=0.2)
     k = f"t-resp:{uuid.uuid4().hex}"
     try:
         with pytest.raises(RedisTimeoutError):
-            await c.pipeline([["BLPOP", k, 2]])
-        # the late BLPOP answer must not be taken for this one's (a fresh connection is used)
+            await c.pipeline([["BLPOP", k, 0.5]])
+        proto = c._proto
+        assert proto is not None and len(proto.waiters) == 1
+        deadline = time.monotonic() + 5
+        while proto.waiters and time.monotonic() < deadline:  # the late nil reply arrives
+            await asyncio.sleep(0.02)
+        assert not proto.waiters and not proto.closed
+        # the late BLPOP answer was not taken for this one's, on the same connection
         assert await c.pipeline([["ECHO", "after"]]) == [b"after"]
+        assert c._proto is proto
     finally:
         await c.close()

@@ -454,8 +454,9 @@ class OwnerDispatcher:
             "att": str(item.attempt),
             **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
         }
-        await self.handoff.reply(item.origin, fields)
-        await self.handoff.settle_ack(self.wid, batch_id, item.request_id, item.entry_id)
+        await self.handoff.reply_and_settle(
+            item.origin, fields, self.wid, batch_id, item.request_id, item.entry_id
+        )
 
 
 def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:

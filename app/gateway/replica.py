@@ -67,7 +67,9 @@ class Replica:
         # connection (see app/state/resp.py for the measured why); None for URLs it cannot speak
         # (TLS, sentinels), which then take redis-py's pipeline.
         self.fast_redis = RespConnection.from_url(redis_url)
-        self.store = StateStore(self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s)
+        self.store = StateStore(
+            self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s, fast=self.fast_redis
+        )
         self.registry = Registry(self.redis, self.keys)
         self.membership = Membership(
             self.control_redis,

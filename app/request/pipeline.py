@@ -229,15 +229,15 @@ class Pipeline:
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
         args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
         dec = p.decode_worker
-        async with r.redis.pipeline(transaction=False) as pipe:
-            pipe.sadd(r.keys.origin_requests(r.replica_id), rid)
-            pipe.evalsha(r.store._scripts["create_request"].sha, 1, r.keys.request(rid), *args)
-            if dec:
-                cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
-                need = len(req.input_ids) + req.max_new_tokens
-                pipe.evalsha(r.store._scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap)
-            res = await pipe.execute()
-        r.store.commands_total += len(res)
+        cmds: list[list[Any]] = [
+            ["SADD", r.keys.origin_requests(r.replica_id), rid],
+            ["EVALSHA", r.store.sha("create_request"), 1, r.keys.request(rid), *args],
+        ]
+        if dec:
+            cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
+            need = len(req.input_ids) + req.max_new_tokens
+            cmds.append(["EVALSHA", r.store.sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
+        res = await self._round_trip(cmds)
         created = res[1]
         held = int(res[2]) if dec else -1
         if int(created) != 1:
@@ -299,17 +299,10 @@ class Pipeline:
         )
         # Whatever applied before a failure must be cleaned up as if handed off.
         p.stage = "handed_off"
-        res = await self._pipeline(cmds)
-        if any(isinstance(x, NoScriptError) for x in res):
-            await r.store.load_scripts()  # Redis restarted and lost them; the rest is idempotent
-            res = await self._pipeline(cmds)
-        for x in res:
-            if isinstance(x, ResponseError):
-                raise x
+        res = await self._round_trip(cmds)
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await r.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
-        self._log("queued", req, p)
         held = int(res[2]) if dec else -1
         entry, queued = _s(res[-1][0]), float(_s(res[-1][1]))
         if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
@@ -317,17 +310,19 @@ class Pipeline:
             return None, queued, held
         return entry, queued, held
 
-    async def _pipeline(self, cmds: list[list[Any]]) -> list[Any]:
-        """One round trip, error replies returned in place: the lean connection when the URL
-        allows it, else redis-py's pipeline."""
+    async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
+        """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
+        it again — every command here is idempotent for its request id. Any other error reply
+        is raised."""
         r = self.r
-        r.store.commands_total += len(cmds)
-        if r.fast_redis is not None:
-            return await r.fast_redis.pipeline(cmds)
-        async with r.redis.pipeline(transaction=False) as pipe:
-            for c in cmds:
-                pipe.execute_command(*c)
-            return list(await pipe.execute(raise_on_error=False))
+        res = await r.store.execute(cmds)
+        if any(isinstance(x, NoScriptError) for x in res):
+            await r.store.load_scripts()
+            res = await r.store.execute(cmds)
+        for x in res:
+            if isinstance(x, ResponseError):
+                raise x
+        return res
 
     async def _reserve_elsewhere(self, req: GenRequest, p: Progress, tries: int = 2) -> bool:
         """The chosen decode worker refused the reservation: the snapshot we ranked on was older
@@ -449,7 +444,8 @@ class Pipeline:
         }
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         held = -1
-        if p.stage == "new":  # a fresh id: record, reserve and hand off in one round trip
+        fresh = p.stage == "new"
+        if fresh:  # a fresh id: record, reserve and hand off in one round trip
             entry, queued, held = await self._record_and_append(req, p, wid, meta, predicted)
         else:
             entry, queued = await self.handoff.append(
@@ -457,14 +453,24 @@ class Pipeline:
             )
         if entry is None:
             r.replies.forget(rid)
+            if fresh:
+                self._log("queued", req, p)
             raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)
         p.stage = "handed_off"
-        if held == 0 and not await self._reserve_elsewhere(req, p):
-            # the prefill is queued already: the abort tombstones and cancels it
-            raise ApiError("overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1)
+        if held == 0:
+            if fresh:
+                self._log("queued", req, p)
+                fresh = False
+            if not await self._reserve_elsewhere(req, p):
+                # the prefill is queued already: the abort tombstones and cancels it
+                raise ApiError(
+                    "overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1
+                )
         overhead = time.perf_counter() - p.t0
         M.ORIGIN_OVERHEAD.observe(overhead)
         M.SAMPLES["origin_overhead_s"].add(overhead)
+        if fresh:  # logged after the clock stops: a log line is I/O, not scheduling
+            self._log("queued", req, p)
         r.queued_overlay[wid] = (queued, time.time())
         n_cap = hit_blocks_cap(len(req.input_ids), bs)
         r.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
@@ -559,22 +565,14 @@ class Pipeline:
 
     async def _finish(self, req: GenRequest, p: Progress, state: str, outcome: dict[str, Any]) -> None:
         r = self.r
-        async with r.redis.pipeline(transaction=False) as pipe:
-            if p.decode_worker and p.stage != "new":
-                r.store.commands_total += 1
-                pipe.evalsha(
-                    r.store._scripts["release"].sha, 1, r.keys.reservations(p.decode_worker), req.request_id
-                )
-            pipe.srem(r.keys.origin_requests(r.replica_id), req.request_id)
-            r.store.commands_total += 1
-            r.store.pipe_transition(
-                pipe,
-                req.request_id,
-                state,
-                {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker},
-                outcome=outcome,
-            )
-            await pipe.execute()
+        rid = req.request_id
+        cmds: list[list[Any]] = []
+        if p.decode_worker and p.stage != "new":
+            cmds.append(["EVALSHA", r.store.sha("release"), 1, r.keys.reservations(p.decode_worker), rid])
+        cmds.append(["SREM", r.keys.origin_requests(r.replica_id), rid])
+        fields = {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
+        cmds.append(r.store.transition_cmd(rid, state, fields, outcome=outcome))
+        await self._round_trip(cmds)
         p.stage = "done"
         self._log(
             state, req, p, code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else ""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from app.state.keys import Keys
 from app.state.store import StateStore
@@ -74,6 +74,37 @@ class Handoff:
             [batch_id, request_id, self.store.settled_batch_ttl_ms, GROUP, entry_id],
         )
         return int(res) == 1
+
+    async def reply_and_settle(
+        self, origin: str, fields: Mapping[str, Any], wid: str, batch_id: str, request_id: str, entry_id: str
+    ) -> bool:
+        """`reply` then `settle_ack` in one round trip (in this order: a reply never waits on the
+        settlement). Only the settlement is retried after NOSCRIPT: the reply must not repeat."""
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v]
+        settle = [
+            "EVALSHA",
+            self.store.sha("settle_ack"),
+            3,
+            self.keys.ledger(wid),
+            self.keys.tombstones(wid),
+            self.keys.queue(wid),
+            batch_id,
+            request_id,
+            self.store.settled_batch_ttl_ms,
+            GROUP,
+            entry_id,
+        ]
+        xadd = ["XADD", self.keys.replies(origin), "MAXLEN", "~", REPLY_MAXLEN, "*", *flat]
+        sent, settled = await self.store.execute([xadd, settle])
+        if isinstance(sent, ResponseError):
+            raise sent
+        if isinstance(settled, ResponseError):
+            if not isinstance(settled, NoScriptError):
+                raise settled
+            return await self.settle_ack(wid, batch_id, request_id, entry_id)
+        return int(settled) == 1
 
     async def reply(self, origin: str, fields: Mapping[str, Any]) -> None:
         self.store.commands_total += 1

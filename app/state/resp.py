@@ -8,8 +8,9 @@ critical path, so it gets this connection; everything else keeps redis-py.
 
 Replies are matched to requests in order (RESP guarantees it on one connection): one future per
 pipeline, completed inside `data_received` once all its replies are parsed, so the waiting
-coroutine resumes without another task hop. A connection that fails, times out, or closes fails
-every waiter with redis-py's `ConnectionError`/`TimeoutError` (callers already handle those as
+coroutine resumes without another task hop. A pipeline that times out raises redis-py's
+`TimeoutError` while its replies, when they come, are read and dropped; a connection that fails
+or closes fails every waiter with redis-py's `ConnectionError` (callers already handle both as
 "shared state unavailable") and is replaced on the next call. Error replies come back as
 redis-py's `ResponseError` subclasses (e.g. `NoScriptError`) in the reply list.
 """
@@ -175,8 +176,8 @@ class RespConnection:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
         except TimeoutError:
-            # the replies may still come: this connection is out of step for good
-            proto.fail(RedisTimeoutError("Redis did not answer in time"))
+            # Late is not lost: the waiter stays queued and its replies are dropped when they
+            # come, so the connection stays in step and the other pipelines on it are unharmed.
             raise RedisTimeoutError("Redis did not answer in time") from None
 
     async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:

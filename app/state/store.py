@@ -27,10 +27,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from app.state import scripts
 from app.state.keys import Keys
+from app.state.resp import RespConnection
 
 # ---- request lifecycle ------------------------------------------------------------------------
 #: Non-terminal states in order; a transition must move strictly forward (skipping is allowed).
@@ -98,8 +99,12 @@ class StateStore:
         lifecycle_ttl_s: int = 3600,
         settled_batch_ttl_ms: int = 600_000,
         retired_epochs: int = 8,
+        fast: RespConnection | None = None,
     ) -> None:
         self.redis = redis
+        # Scripts and pipelines of the request and owner paths go over this lean connection when
+        # given (app/state/resp.py says why); blocking reads never do, they stay on `redis`.
+        self.fast = fast
         self.keys = keys
         self.lifecycle_ttl_s = lifecycle_ttl_s
         # How long a settled batch id stays tombstoned, to drop a late duplicate commit.
@@ -119,12 +124,35 @@ class StateStore:
         """
         script = self._scripts[name]
         self.commands_total += 1
+        if self.fast is not None:
+            cmd = ["EVALSHA", script.sha, len(keys), *keys, *args]
+            (res,) = await self.fast.pipeline([cmd])
+            if isinstance(res, NoScriptError):
+                self.commands_total += 2
+                res = (await self.fast.pipeline([["SCRIPT", "LOAD", script.script], cmd]))[1]
+            if isinstance(res, ResponseError):
+                raise res
+            return res
         try:
             return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self.commands_total += 2
             await self.redis.script_load(script.script)
             return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def execute(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+        """Raw commands in one round trip, replies in order; error replies are returned in place,
+        not raised (the caller knows which ones it can retry)."""
+        self.commands_total += len(cmds)
+        if self.fast is not None:
+            return await self.fast.pipeline(cmds)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for c in cmds:
+                pipe.execute_command(*c)
+            return list(await pipe.execute(raise_on_error=False))
+
+    def sha(self, name: str) -> str:
+        return str(self._scripts[name].sha)
 
     async def load_scripts(self) -> None:
         """Optional warm-up: SCRIPT LOAD every script, so the first real call never pays a NOSCRIPT."""
@@ -357,47 +385,39 @@ class StateStore:
         ]
         return int(await self._run("transition", [self.keys.request(request_id)], args)) == 1
 
-    def pipe_transition(
+    def transition_cmd(
         self,
-        pipe: Any,
         request_id: str,
         to_state: str,
         fields: Mapping[str, Any] | None = None,
         *,
         outcome: Mapping[str, Any] | None = None,
-    ) -> None:
-        """`transition` queued on a caller's pipeline, so the origin's final clean-up (release,
+    ) -> list[Any]:
+        """`transition` as a raw command for `execute`, so the origin's final clean-up (release,
         live-set removal, terminal state) is one round trip. The reply is 1 applied / 0 refused."""
-        rank = _RANK[to_state]
         terminal = to_state in TERMINAL
         outcome_json = json.dumps({"state": to_state, **(outcome or {})}, separators=(",", ":"))
-        args = [
+        return [
+            "EVALSHA",
+            self._scripts["transition"].sha,
+            1,
+            self.keys.request(request_id),
             to_state,
-            rank,
+            _RANK[to_state],
             "1" if terminal else "0",
             int(self.lifecycle_ttl_s),
             outcome_json if terminal else "",
             *_flatten(fields, _REQUEST_RESERVED),
         ]
-        pipe.evalsha(self._scripts["transition"].sha, 1, self.keys.request(request_id), *args)
-        self.commands_total += 1
 
     async def transition_many(
         self, request_ids: Sequence[str], to_state: str, fields: Mapping[str, Any] | None = None
     ) -> None:
         """The same forward (non-terminal) step for several requests in one round trip: the owner
         marks a committed batch's members `dispatched`. Refusals (already further on, or ended)
-        are expected and ignored."""
-        rank = _RANK[to_state]
+        are expected and ignored, and so is a NOSCRIPT (these marks are informational)."""
         assert to_state not in TERMINAL
-        script = self._scripts["transition"]
-        extra = _flatten(fields, _REQUEST_RESERVED)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid in request_ids:
-                args = [to_state, rank, "0", int(self.lifecycle_ttl_s), "", *extra]
-                pipe.evalsha(script.sha, 1, self.keys.request(rid), *args)
-            await pipe.execute(raise_on_error=False)
-        self.commands_total += len(request_ids)
+        await self.execute([self.transition_cmd(rid, to_state, fields) for rid in request_ids])
 
     async def get_request(self, request_id: str) -> dict[str, Any] | None:
         """The lifecycle record. Values are strings, except `outcome`, which is decoded from JSON."""
