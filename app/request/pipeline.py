@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from app import metrics as M
@@ -74,6 +75,7 @@ class Progress:
     prefill_ms: float = 0.0
     queue_ms: float = 0.0
     handoffs: int = 0  # hand-offs made so far; each reply names the one it answers
+    packed: bytes = b""  # the prompt as little-endian int32, converted once for keys and hand-off
 
 
 class StoredOutcome(Exception):
@@ -269,7 +271,7 @@ class Pipeline:
         dec = p.decode_worker
         need = len(req.input_ids) + req.max_new_tokens
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
-        ids = pack_tokens(req.input_ids)
+        ids = p.packed or pack_tokens(req.input_ids)
         meta_json = json.dumps(meta, separators=(",", ":"))
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
@@ -354,7 +356,9 @@ class Pipeline:
         # the decode KV is already reserved (in _record's round trip)
         try:
             bs = self.block_size()
-            keys = block_keys(req.input_ids, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
+            arr = np.asarray(req.input_ids, dtype="<i4")
+            p.packed = arr.tobytes()
+            keys = block_keys(arr, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
             now_ms = time.time() * 1000
             pviews = self.views("prefill")
             hits = r.mirror.match(keys, [v.id for v in pviews], now_ms)
@@ -449,7 +453,7 @@ class Pipeline:
             entry, queued, held = await self._record_and_append(req, p, wid, meta, predicted)
         else:
             entry, queued = await self.handoff.append(
-                wid, meta, pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
+                wid, meta, p.packed or pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
             )
         if entry is None:
             r.replies.forget(rid)
