@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,6 +86,28 @@ class StoredOutcome(Exception):
         self.outcome = outcome
 
 
+def _parse_view(wid: str, role: str, snap: dict[str, str], state: str | None) -> WorkerView:
+    """The snapshot's fields as a view; queued and owed time are overlaid per request."""
+
+    def num(key: str) -> float:
+        return float(snap.get(key, 0) or 0)
+
+    return WorkerView(
+        id=wid,
+        role=role,
+        up=snap.get("health") == "up",
+        kv_total_tokens=int(num("kv_total_tokens")),
+        kv_free_tokens=int(num("kv_free_tokens")),
+        kv_evictable_tokens=int(num("kv_evictable_tokens")),
+        queue_len=int(num("queue_len")),
+        queued_ms=num("queued_ms"),
+        owed_ms=0.0,
+        reserved_tokens=int(num("reserved_tokens")),
+        running=int(num("running")),
+        draining=state == "draining",
+    )
+
+
 class Pipeline:
     def __init__(self, replica: Replica) -> None:
         self.r = replica
@@ -97,6 +119,10 @@ class Pipeline:
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
         # start and end on the worker's clock, wall time of the reply); see `_owed`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
+        # worker id → (the snapshot dict it was parsed from, registry state, its view): snapshots
+        # are replaced, never mutated, a few times a second, while every request ranks every
+        # worker: parse each snapshot once, not ~10 text fields per worker per request.
+        self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
 
     # ---- routing inputs ------------------------------------------------------------------
     def views(self, role: str) -> list[WorkerView]:
@@ -105,27 +131,21 @@ class Pipeline:
         ids = r.prefill_ids() if role == "prefill" else r.decode_ids()
         for wid in ids:
             snap = r.snapshots.get(wid, {})
-            info = r.workers.get(wid, {})
-            queued = float(snap.get("queued_ms", 0.0) or 0.0)
+            state = r.workers.get(wid, {}).get("state")
+            cached = self._view_cache.get(wid)
+            if cached is not None and cached[0] is snap and cached[1] == state and cached[2].role == role:
+                view = cached[2]
+            else:
+                view = _parse_view(wid, role, snap, state)
+                self._view_cache[wid] = (snap, state, view)
+            queued = view.queued_ms
             ov = r.queued_overlay.get(wid)
             if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
                 queued = ov[0]
-            out.append(
-                WorkerView(
-                    id=wid,
-                    role=role,
-                    up=snap.get("health") == "up",
-                    kv_total_tokens=int(float(snap.get("kv_total_tokens", 0) or 0)),
-                    kv_free_tokens=int(float(snap.get("kv_free_tokens", 0) or 0)),
-                    kv_evictable_tokens=int(float(snap.get("kv_evictable_tokens", 0) or 0)),
-                    queue_len=int(float(snap.get("queue_len", 0) or 0)),
-                    queued_ms=queued,
-                    owed_ms=self._owed(wid, snap) if role == "prefill" else 0.0,
-                    reserved_tokens=int(float(snap.get("reserved_tokens", 0) or 0)),
-                    running=int(float(snap.get("running", 0) or 0)),
-                    draining=info.get("state") == "draining",
-                )
-            )
+            owed = self._owed(wid, snap) if role == "prefill" else 0.0
+            if queued != view.queued_ms or owed != view.owed_ms:
+                view = replace(view, queued_ms=queued, owed_ms=owed)
+            out.append(view)
         return out
 
     def _owed(self, wid: str, snap: dict[str, str]) -> float:
