@@ -78,8 +78,9 @@ class Handoff:
     async def reply_and_settle(
         self, origin: str, fields: Mapping[str, Any], wid: str, batch_id: str, request_id: str, entry_id: str
     ) -> bool:
-        """`reply` then `settle_ack` in one round trip (in this order: a reply never waits on the
-        settlement). Only the settlement is retried after NOSCRIPT: the reply must not repeat."""
+        """The result on the origin's reply stream, then `settle_ack`, in one round trip (in this
+        order: a reply never waits on the settlement). Only the settlement is retried after
+        NOSCRIPT: the reply must not repeat."""
         flat: list[Any] = []
         for k, v in fields.items():
             flat += [k, v]
@@ -105,7 +106,3 @@ class Handoff:
                 raise settled
             return await self.settle_ack(wid, batch_id, request_id, entry_id)
         return int(settled) == 1
-
-    async def reply(self, origin: str, fields: Mapping[str, Any]) -> None:
-        self.store.commands_total += 1
-        await self.redis.xadd(self.keys.replies(origin), dict(fields), maxlen=REPLY_MAXLEN, approximate=True)
