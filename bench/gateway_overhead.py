@@ -53,6 +53,8 @@ from typing import Any
 import httpx
 import numpy as np
 import psutil
+import uvloop
+from lean_http import HttpError, LeanClient  # bench/ is sys.path[0] when run as a script
 from rich.console import Console
 from rich.table import Table
 
@@ -320,32 +322,48 @@ def _body(rng: np.random.Generator, n_tokens: int, max_new: int) -> bytes:
     return b'{"input_ids":[' + ",".join(map(str, ids.tolist())).encode() + b'],"max_new_tokens":%d}' % max_new
 
 
-def _client(n: int) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=n, max_keepalive_connections=n),
-        timeout=httpx.Timeout(REQUEST_TIMEOUT_S),
-    )
+class _Clients:
+    """One `LeanClient` pool per gateway URL, `n` connections each; httpx cost the box a quarter
+    of its CPU at 100 req/s (see bench/lean_http.py)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pools: dict[str, LeanClient] = {}
+
+    def pool(self, url: str) -> LeanClient:
+        c = self.pools.get(url)
+        if c is None:
+            c = self.pools[url] = LeanClient(url, self.n, REQUEST_TIMEOUT_S)
+        return c
+
+    async def __aenter__(self) -> _Clients:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for c in self.pools.values():
+            await c.aclose()
 
 
-_JSON = {"content-type": "application/json"}
+def _client(n: int) -> _Clients:
+    return _Clients(n)
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: bytes, max_new: int) -> str:
+async def _one(client: _Clients, url: str, body: bytes, max_new: int) -> str:
     """One native /v1/generate call; the outcome code ('ok' or the error code)."""
     try:
-        r = await client.post(url + "/v1/generate", content=body, headers=_JSON)
-    except httpx.HTTPError as exc:
+        status, raw = await client.pool(url).post("/v1/generate", body)
+    except HttpError as exc:
         return f"transport:{type(exc).__name__}"
-    if r.status_code == 200:
-        try:
-            o = r.json()
-        except ValueError:
-            return "bad_json"
+    try:
+        o = json.loads(raw)
+    except ValueError:
+        return "bad_json" if status == 200 else f"http_{status}"
+    if status == 200:
         return "ok" if len(o.get("output_ids", ())) == max_new else "bad_output"
     try:
-        return str(r.json()["error"]["code"])
-    except (ValueError, KeyError, TypeError):
-        return f"http_{r.status_code}"
+        return str(o["error"]["code"])
+    except (KeyError, TypeError):
+        return f"http_{status}"
 
 
 async def lg_open_loop(
@@ -577,7 +595,7 @@ def _loadgen_main(conn: Any) -> None:
         if msg is None:
             return
         try:
-            res = asyncio.run(LG_OPS[msg["op"]](**msg["args"]))
+            res = uvloop.run(LG_OPS[msg["op"]](**msg["args"]))
             conn.send({"ok": True, "result": res})
         except Exception as exc:
             conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
