@@ -77,8 +77,8 @@ TARGETS = {
 REQUEST_TIMEOUT_S = 30.0
 # Open loop: at most this many requests in flight from the client. A request due while the cap is
 # reached is not sent and counts as `client_cap_skipped` (the system is already overloaded by then);
-# without a cap an overloaded run piles thousands of requests into httpx's pool, whose bookkeeping
-# then starves the load generator itself.
+# without a cap an overloaded run piles thousands of requests (and connections) onto the gateways
+# and the load generator's own bookkeeping.
 OPEN_LOOP_MAX_INFLIGHT = 256
 WORKER_ARGS = ["--profile", "formula", "--formula", "0", "--time-scale", "0.001"]
 # The KV handle TTL is in *modelled* ms: at time scale 0.001 the default 30,000 ms would be 30 wall
