@@ -189,15 +189,17 @@ class WorkerClient:
         ]
         finish: DecodeEvent | None = None
         async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
+            # An event carries only its own tensors (docs/worker-protocol.md §5): absent = empty.
+            tokens = r.as_numpy(W.D_TOKENS)
             ev = DecodeEvent(
                 event=_s(r.as_numpy(W.D_EVENT)[0]),
-                tokens=r.as_numpy(W.D_TOKENS).tolist(),
-                first_index=int(r.as_numpy(W.D_FIRST_INDEX)[0]),
+                tokens=tokens.tolist() if tokens is not None else [],
+                first_index=int(_first(r, W.D_FIRST_INDEX, 0)),
                 t_first_ms=float(r.as_numpy(W.D_T_FIRST_MS)[0]),
                 t_last_ms=float(r.as_numpy(W.D_T_LAST_MS)[0]),
-                finish_reason=_s(r.as_numpy(W.D_FINISH_REASON)[0]),
-                generated=int(r.as_numpy(W.D_GENERATED)[0]),
-                error=_s(r.as_numpy(W.D_ERROR)[0]),
+                finish_reason=_s(_first(r, W.D_FINISH_REASON, b"")),
+                generated=int(_first(r, W.D_GENERATED, 0)),
+                error=_s(_first(r, W.D_ERROR, b"")),
             )
             if ev.event == "tokens":
                 yield ev
@@ -207,13 +209,19 @@ class WorkerClient:
             yield finish
 
 
+def _first(r: Any, name: str, default: Any) -> Any:
+    """The first element of an output tensor; `default` when the event omits it (§4.3, §5)."""
+    a = r.as_numpy(name)
+    return a[0] if a is not None and len(a) else default
+
+
 def _prefill_event(r: Any) -> PrefillEvent:
     ev = _s(r.as_numpy(W.P_EVENT)[0])
     out = PrefillEvent(
         event=ev,
         batch_id=_s(r.as_numpy(W.P_BATCH_ID)[0]),
         epoch=_s(r.as_numpy(W.P_EPOCH)[0]),
-        queue_position=int(r.as_numpy(W.P_QUEUE_POSITION)[0]),
+        queue_position=int(_first(r, W.P_QUEUE_POSITION, 0)),
     )
     if ev == "error":
         errs = r.as_numpy(W.P_ERROR)

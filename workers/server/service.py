@@ -309,7 +309,6 @@ class WorkerService:
             W.P_EVENT: b1("results"),
             W.P_BATCH_ID: b1(batch_id),
             W.P_EPOCH: b1(self.epoch),
-            W.P_QUEUE_POSITION: np.array([0], dtype=np.int32),
             W.P_REQUEST_IDS: bytes_arr(r.request_id for r in rs),
             W.P_STATUS: bytes_arr(r.status for r in rs),
             W.P_FIRST_TOKEN: np.array([r.first_token for r in rs], dtype=np.int32),
@@ -325,22 +324,18 @@ class WorkerService:
     def _p_event(
         self, kind: str, batch_id: str, *, queue_position: int = 0, errors: list[str] | None = None
     ) -> dict[str, np.ndarray]:
-        return {
+        """`accepted`, `final` and `error` carry only their own tensors: each omitted one is
+        work saved in this process, the Python-backend stub, Triton and the gateway, three times
+        per batch (docs/worker-protocol.md §4.3)."""
+        out = {
             W.P_EVENT: b1(kind),
             W.P_BATCH_ID: b1(batch_id),
             W.P_EPOCH: b1(self.epoch),
             W.P_QUEUE_POSITION: np.array([queue_position], dtype=np.int32),
-            W.P_REQUEST_IDS: _EMPTY_B,
-            W.P_STATUS: _EMPTY_B,
-            W.P_FIRST_TOKEN: _EMPTY_I32,
-            W.P_CACHED_TOKENS: _EMPTY_I32,
-            W.P_INPUT_TOKENS: _EMPTY_I32,
-            W.P_START_MS: _EMPTY_F64,
-            W.P_END_MS: _EMPTY_F64,
-            W.P_KV_EXPIRY_MS: _EMPTY_F64,
-            W.P_SEQ: _EMPTY_I64,
-            W.P_ERROR: bytes_arr(errors or []),
         }
+        if errors:
+            out[W.P_ERROR] = bytes_arr(errors)
+        return out
 
     # ---- decode ---------------------------------------------------------------------------
     async def decode(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
@@ -394,9 +389,6 @@ class WorkerService:
                         W.D_FIRST_INDEX: np.array([ev.first_index], dtype=np.int32),
                         W.D_T_FIRST_MS: np.array([ev.t_first_ms], dtype=np.float64),
                         W.D_T_LAST_MS: np.array([ev.t_last_ms], dtype=np.float64),
-                        W.D_FINISH_REASON: b1(""),
-                        W.D_GENERATED: np.array([0], dtype=np.int32),
-                        W.D_ERROR: b1(""),
                     }
                 else:
                     finished = True
@@ -450,8 +442,6 @@ class WorkerService:
     ) -> dict[str, np.ndarray]:
         return {
             W.D_EVENT: b1("finish"),
-            W.D_TOKENS: _EMPTY_I32,
-            W.D_FIRST_INDEX: np.array([0], dtype=np.int32),
             W.D_T_FIRST_MS: np.array([t_ms], dtype=np.float64),
             W.D_T_LAST_MS: np.array([t_ms], dtype=np.float64),
             W.D_FINISH_REASON: b1(str(reason)),
