@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 
 from app import metrics as M
 from app.cluster.leases import Lease
+from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
@@ -94,6 +95,9 @@ class OwnerDispatcher:
         self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
+        # request id → the previous owner's batch, for claimed entries we dispatch again; see
+        # `_dispatch` on `duplicate`.
+        self._redispatched: dict[str, str] = {}
         self.wake = asyncio.Event()  # new items, a finished batch, a config change
         self._cfg_seen: BatcherConfig | None = None
         self.batcher = Batcher(self._scaled_config(), self._predict)
@@ -264,6 +268,7 @@ class OwnerDispatcher:
                 t.add_done_callback(self._inflight.discard)
             else:
                 M.CLAIMED.labels("redispatched").inc()
+                self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
                 for bid in old_batches:  # a late arrival of the old batch must not run it twice
                     with contextlib.suppress(Exception):
                         await self.client.cancel(bid)
@@ -415,6 +420,17 @@ class OwnerDispatcher:
                         if item is None:
                             continue
                         answered.add(item.request_id)
+                        old = self._redispatched.pop(item.request_id, None)
+                        if old is not None and r.get("status") == EngineStatus.DUPLICATE:
+                            # The previous owner's batch was still on its way when we looked and
+                            # has reached the worker since: follow it rather than answer the
+                            # client "duplicate" (nothing of ours runs for this request).
+                            await self.store.settle(self.wid, batch_id, item.request_id)
+                            t = asyncio.create_task(self._adopt(item, old))
+                            self._inflight.add(t)
+                            t.add_done_callback(self._inflight.discard)
+                            M.CLAIMED.labels("adopted").inc()
+                            continue
                         await self._reply(item, batch_id, {**r, "epoch": ev.epoch, "worker": self.wid})
                 elif ev.event == "error":
                     code = "epoch_mismatch" if ev.error.startswith("epoch_mismatch") else "worker_error"
