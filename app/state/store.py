@@ -370,20 +370,9 @@ class StateStore:
         one wins. On the terminal transition, `outcome` is stored as JSON with the state added,
         and the record expires after `lifecycle_ttl_s`.
         """
-        rank = _RANK.get(to_state)
-        if rank is None:
-            raise ValueError(f"unknown lifecycle state {to_state!r}")
-        terminal = to_state in TERMINAL
-        outcome_json = json.dumps({"state": to_state, **(outcome or {})}, separators=(",", ":"))
-        args: list[Any] = [
-            to_state,
-            rank,
-            "1" if terminal else "0",
-            int(self.lifecycle_ttl_s),
-            outcome_json if terminal else "",
-            *_flatten(fields, _REQUEST_RESERVED),
-        ]
-        return int(await self._run("transition", [self.keys.request(request_id)], args)) == 1
+        cmd = self.transition_cmd(request_id, to_state, fields, outcome=outcome)
+        key, args = cmd[3:4], cmd[4:]  # EVALSHA <sha> 1 <key> <args...>
+        return int(await self._run("transition", key, args)) == 1
 
     def transition_cmd(
         self,
@@ -395,6 +384,8 @@ class StateStore:
     ) -> list[Any]:
         """`transition` as a raw command for `execute`, so the origin's final clean-up (release,
         live-set removal, terminal state) is one round trip. The reply is 1 applied / 0 refused."""
+        if to_state not in _RANK:
+            raise ValueError(f"unknown lifecycle state {to_state!r}")
         terminal = to_state in TERMINAL
         outcome_json = json.dumps({"state": to_state, **(outcome or {})}, separators=(",", ":"))
         return [
