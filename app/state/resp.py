@@ -18,7 +18,6 @@ redis-py's `ResponseError` subclasses (e.g. `NoScriptError`) in the reply list.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -188,8 +187,8 @@ class RespConnection:
         return await self._send(proto, commands)
 
     async def close(self) -> None:
+        """Close the connection; pipelines still waiting fail with `ConnectionError`."""
         proto, self._proto = self._proto, None
-        if proto is not None and proto.transport is not None:
-            proto.transport.close()
-            with contextlib.suppress(Exception):
-                await asyncio.sleep(0)
+        if proto is not None:
+            proto.fail(RedisConnectionError("connection closed by the client"))
+            await asyncio.sleep(0)  # let the transport finish closing
