@@ -86,8 +86,10 @@ async def test_killed_connection_fails_waiters_then_reconnects(redis_url: str) -
     try:
         (my_id,) = await c.pipeline([["CLIENT", "ID"]])
         waiting = asyncio.create_task(c.pipeline([["BLPOP", k, 5]]))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
+        deadline = time.monotonic() + 2
+        while not (c._proto and c._proto.waiters) and time.monotonic() < deadline:  # BLPOP written
+            await asyncio.sleep(0.005)
+        assert c._proto is not None and len(c._proto.waiters) == 1 and not waiting.done()
         assert await r.execute_command("CLIENT", "KILL", "ID", my_id) == 1
         with pytest.raises(RedisConnectionError):
             await asyncio.wait_for(waiting, 3)
