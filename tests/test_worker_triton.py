@@ -239,6 +239,84 @@ async def test_kv_release_by_decode_and_expiry(clients) -> None:
     assert (await p.control({"op": "release", "request_id": rid2, "epoch": pe}))["status"] == "kv_expired"
 
 
+async def test_kv_side_channel_claims_once_and_decode_fetches_through_it(clients) -> None:
+    """The prefill worker's side channel (docs/worker-protocol.md §5) answers claims as
+    `control.release` would; a decode worker fetching KV uses it (the handle is gone after)."""
+    p, d = clients["prefill"][0], clients["decode"][0]
+    await p.configure(formula="5", kv_handle_ttl_ms=60_000)
+    await d.configure(profile="formula", formula="1", time_scale=0.1)
+    pe, de = (await p.status())["epoch"], (await d.status())["epoch"]
+    endpoint = (await p.control({"op": "kv_endpoint"}))["kv_endpoint"]
+    host, _, port = endpoint.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert (await d.control({"op": "kv_endpoint"}))["kv_endpoint"] == ""  # decode holds no KV
+    rids = [f"sc{i}-" + uid() for i in range(3)]
+    await collect_prefill(p, "b-" + uid(), pe, [(r, prompt(i, 200)) for i, r in enumerate(rids)])
+    assert set(rids) <= set((await p.status())["pinned"])
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        claims = [(1, rids[0], pe), (2, rids[0], pe), (3, rids[1], "not-" + pe), (4, "never-" + uid(), "")]
+        for n, rid, ep in claims:
+            writer.write(json.dumps({"id": n, "request_id": rid, "epoch": ep}).encode() + b"\n")
+        answers = {}
+        for _ in claims:
+            a = json.loads(await asyncio.wait_for(reader.readline(), 10))
+            answers[a["id"]] = a["status"]
+        assert answers == {1: "ok", 2: "unknown_request", 3: "epoch_mismatch", 4: "unknown_request"}
+    finally:
+        writer.close()
+    evs = await collect_decode(d, rids[1], de, 200, 4, kv_worker=p.address, kv_epoch=pe)
+    assert evs[-1].finish_reason == "length"
+    st = await p.status()
+    assert rids[0] not in st["pinned"] and rids[1] not in st["pinned"] and rids[2] in st["pinned"]
+    assert st["kv_released"]["released"] >= 2
+
+
+async def test_last_event_carries_final_and_finish_carries_last_tokens(clients) -> None:
+    """On the wire a batch whose results are all ready ends with one `results` event flagged
+    final, and a decode stream whose last chunk is ready at its end sends it on `finish`; the
+    client still yields `results` then `final`, and `tokens` then `finish`."""
+    from app.protocol import worker_api as W
+    from app.rpc.worker_client import _b, _inp
+
+    p, d = clients["prefill"][0], clients["decode"][0]
+    await p.configure(formula="5")
+    await d.configure(profile="formula", formula="1", time_scale=0.01)
+    pe, de = (await p.status())["epoch"], (await d.status())["epoch"]
+    rid, bid = "w-" + uid(), "b-" + uid()
+    ids = prompt(3, 100)
+    inputs = [
+        _inp(W.P_BATCH_ID, _b([bid]), "BYTES"),
+        _inp(W.P_EPOCH, _b([pe]), "BYTES"),
+        _inp(W.P_REQUEST_IDS, _b([rid]), "BYTES"),
+        _inp(W.P_INPUT_IDS, ids, "INT32"),
+        _inp(W.P_INPUT_LENGTHS, np.array([len(ids)], dtype=np.int32), "INT32"),
+    ]
+    wire = [r async for r in p._stream(W.PREFILL_MODEL, inputs, 30)]
+    kinds = [r.as_numpy(W.P_EVENT)[0].decode() for r in wire]
+    assert kinds == ["accepted", "results"]
+    assert wire[1].as_numpy(W.P_FINAL).tolist() == [1]
+    assert wire[0].as_numpy(W.P_FINAL) is None  # accepted carries no flag
+    d_inputs = [
+        _inp(W.D_REQUEST_ID, _b([rid]), "BYTES"),
+        _inp(W.D_EPOCH, _b([de]), "BYTES"),
+        _inp(W.D_INPUT_TOKENS, np.array([100], dtype=np.int32), "INT32"),
+        _inp(W.D_MAX_NEW_TOKENS, np.array([3], dtype=np.int32), "INT32"),
+    ]
+    d_wire = [r async for r in d._stream(W.DECODE_MODEL, d_inputs, 30)]
+    last = d_wire[-1]
+    assert last.as_numpy(W.D_EVENT)[0] == b"finish" and len(last.as_numpy(W.D_TOKENS)) >= 1
+    evs = await collect_decode(d, "w2-" + rid, de, 100, 3)
+    assert [e.event for e in evs][-2:] == ["tokens", "finish"]
+    assert [t for e in evs for t in e.tokens] == output_tokens(0, "w2-" + rid, 1, 3)
+    fin = evs[-1]
+    assert fin.tokens == [] and fin.finish_reason == "length" and fin.generated == 3
+    assert evs[-2].t_last_ms == fin.t_first_ms == fin.t_last_ms >= evs[-2].t_first_ms > 0
+    # replaying the finished batch id: the stored results, again flagged final
+    again = await collect_prefill(p, bid, pe, [(rid, ids)])
+    assert [e.event for e in again] == ["accepted", "results", "final"]
+
+
 async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     p = clients["prefill"][0]
     await p.configure(formula="1", kv_capacity_tokens=5000)

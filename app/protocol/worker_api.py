@@ -30,6 +30,7 @@ P_END_MS: Final = "end_ms"  # FP64 [m] modelled
 P_KV_EXPIRY_MS: Final = "kv_expiry_ms"  # FP64 [m] modelled
 P_SEQ: Final = "seq"  # INT64 [m]
 P_ERROR: Final = "error"  # BYTES [m] (for event=error: [1], the reason)
+P_FINAL: Final = "final"  # INT32 [1] on a `results` event that is also the batch's `final`
 
 # decode inputs
 D_REQUEST_ID: Final = "request_id"  # BYTES [1]

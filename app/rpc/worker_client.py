@@ -163,7 +163,10 @@ class WorkerClient:
             _inp(W.P_INPUT_LENGTHS, lens, "INT32"),
         ]
         async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
-            yield _prefill_event(r)
+            ev = _prefill_event(r)
+            yield ev
+            if ev.event == "results" and _first(r, W.P_FINAL, 0):  # results + final in one (§4.2)
+                yield PrefillEvent("final", ev.batch_id, ev.epoch)
 
     # ---- decode ---------------------------------------------------------------------------
     async def decode(
@@ -203,8 +206,13 @@ class WorkerClient:
             )
             if ev.event == "tokens":
                 yield ev
-            else:  # held until the stream ends by itself: a consumer that stops at `finish`
-                finish = ev  # would otherwise cancel a completing RPC (see `control`)
+                continue
+            if ev.tokens:  # the last chunk rode on `finish` (§6.2)
+                yield DecodeEvent("tokens", ev.tokens, ev.first_index, ev.t_first_ms, ev.t_last_ms)
+                ev.tokens, ev.first_index, ev.t_first_ms = [], 0, ev.t_last_ms
+            # Held until the stream ends by itself: a consumer that stops at `finish` would
+            # otherwise cancel a completing RPC (see `control`).
+            finish = ev
         if finish is not None:
             yield finish
 

@@ -51,7 +51,7 @@ def run_worker(
         # strict=False: output checks cost CPU on every event, and our encoders are tested.
         host.bind(*engine_model, decoupled=True, strict=False)
         host.bind("control", svc.control, CONTROL_INPUTS, CONTROL_OUTPUTS, decoupled=True, strict=False)
-        svc.start()
+        svc.start(kv_bind=bind_address)
         host.start()
         ready = {
             "event": "worker_ready",
@@ -61,6 +61,7 @@ def run_worker(
             "http_port": host.http_port,
             "metrics_port": host.metrics_port,
             "epoch": svc.epoch,
+            "kv_endpoint": svc.kv_endpoint,
             "profile": cfg.profile,
             "time_scale": cfg.time_scale,
             "block_size": cfg.block_size,

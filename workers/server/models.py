@@ -36,6 +36,7 @@ PREFILL_OUTPUTS = [
     _t(W.P_KV_EXPIRY_MS, np.float64),
     _t(W.P_SEQ, np.int64),
     _t(W.P_ERROR, BYTES),
+    _t(W.P_FINAL, np.int32),
 ]
 DECODE_INPUTS = [
     _t(W.D_REQUEST_ID, BYTES),

@@ -40,6 +40,19 @@ class Subscriber:
         with contextlib.suppress(RuntimeError):  # loop closed: the consumer is gone
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    def push_many(self, items: list[Any]) -> None:
+        """Items queued by one callback: the consumer wakes with all of them there, so it can see
+        that a batch's last results are followed by `final` and send both as one event."""
+        if len(items) == 1:
+            self.push(items[0])
+            return
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._put_all, items)
+
+    def _put_all(self, items: list[Any]) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
 
 class EngineRunner:
     def __init__(

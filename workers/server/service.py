@@ -39,6 +39,7 @@ from workers.engine.faults import Faults
 from workers.engine.prefill import PrefillEngine, PrefillRequest
 from workers.engine.profiles import EngineProfile, get_profile
 
+from .kv_channel import KvClaimClient, KvClaimServer, SideLoop
 from .runner import EngineRunner, Subscriber
 from .tensors import as_int, as_str, as_strs, b1, bytes_arr, get
 
@@ -48,6 +49,7 @@ _EMPTY_B = np.array([], dtype=np.bytes_)
 _EMPTY_I32 = np.array([], dtype=np.int32)
 _EMPTY_I64 = np.array([], dtype=np.int64)
 _EMPTY_F64 = np.array([], dtype=np.float64)
+_ONE_I32 = np.array([1], dtype=np.int32)
 
 
 @dataclass
@@ -91,7 +93,10 @@ class WorkerService:
         )
         self.stopping = stopping or threading.Event()  # set when Triton stops: streams end at once
         self._subs: dict[str, list[Subscriber]] = {}
-        self._peer_clients: dict[str, Any] = {}
+        self._peer_clients: dict[str, Any] = {}  # gRPC clients of prefill peers (side loop only)
+        self.side = SideLoop()
+        self.kv_server = KvClaimServer(self._claim_local) if cfg.role == "prefill" else None
+        self.kv_client = KvClaimClient(self._resolve_kv, self._control_release)
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
         self._status_seq = 0
         # What configure last applied (reset restores the start-up values): later configure calls
@@ -125,11 +130,29 @@ class WorkerService:
             )
         return DecodeEngine(self.profile, seed=self.cfg.seed, faults=self.cfg.faults)
 
-    def start(self) -> None:
+    def start(self, kv_bind: str = "127.0.0.1") -> None:
+        """`kv_bind`: where the prefill side channel listens (the worker's bind address)."""
+        from app.netports import free_port
+
         self.runner.start()
+        self.side.start()
+        if self.kv_server is not None:
+            self.side.run(self.kv_server.start(kv_bind, free_port(kv_bind)))
 
     def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.kv_server is not None:
+                self.side.run(self.kv_server.close(), timeout=5)
+            self.side.run(self.kv_client.close(), timeout=5)
+        self.side.stop()
         self.runner.stop()
+
+    @property
+    def kv_endpoint(self) -> str:
+        """`host:port` of the KV side channel (prefill only; "" when there is none)."""
+        if self.kv_server is None or not self.kv_server.port:
+            return ""
+        return f"{self.cfg.host}:{self.kv_server.port}"
 
     # ---- effects (engine thread) ----------------------------------------------------------
     def _route(self, effects: list[Any]) -> None:
@@ -138,23 +161,27 @@ class WorkerService:
             if isinstance(e, PrefillResult):
                 pending.setdefault(e.batch_id, []).append(e)
             elif isinstance(e, BatchDone):
-                self._flush_results(pending, e.batch_id)
+                items: list[tuple[str, Any]] = self._result_items(pending, e.batch_id)
+                items.append(("final", None))
                 for s in self._subs.pop(e.batch_id, []):
-                    s.push(("final", None))
+                    s.push_many(items)
             elif isinstance(e, DecodeChunk):
                 self._chunk_buf.setdefault(e.request_id, []).append(e)
             elif isinstance(e, DecodeFinished):
-                self._flush_chunks(e.request_id)
+                chunk = self._take_chunks(e.request_id)
                 self._last_flush.pop(e.request_id, None)
+                items = [("tokens", chunk), ("finish", e)] if chunk is not None else [("finish", e)]
                 for s in self._subs.pop(e.request_id, []):
-                    s.push(("finish", e))
+                    s.push_many(items)
             elif isinstance(e, KvReleased):
                 self.released[e.reason] = self.released.get(e.reason, 0) + 1
             elif isinstance(e, ExitRequested):
                 log.error("fault exit_after_batches reached: exiting abruptly")
                 _hard_exit()
         for bid in list(pending):
-            self._flush_results(pending, bid)
+            items = self._result_items(pending, bid)
+            for s in self._subs.get(bid, []):
+                s.push_many(items)
         if self._chunk_buf:
             self.flush_due_chunks()
 
@@ -176,34 +203,41 @@ class WorkerService:
                 self._last_flush[rid] = now
 
     def _flush_chunks(self, rid: str) -> None:
+        merged = self._take_chunks(rid)
+        if merged is not None:
+            for s in self._subs.get(rid, []):
+                s.push(("tokens", merged))
+
+    def _take_chunks(self, rid: str) -> DecodeChunk | None:
+        """The stream's buffered tokens as one chunk (None if there are none)."""
         chunks = self._chunk_buf.pop(rid, None)
         if not chunks:
-            return
-        merged = (
-            chunks[0]
-            if len(chunks) == 1
-            else DecodeChunk(
-                rid,
-                chunks[0].first_index,
-                [t for c in chunks for t in c.tokens],
-                chunks[0].t_first_ms,
-                chunks[-1].t_last_ms,
-            )
+            return None
+        if len(chunks) == 1:
+            return chunks[0]
+        return DecodeChunk(
+            rid,
+            chunks[0].first_index,
+            [t for c in chunks for t in c.tokens],
+            chunks[0].t_first_ms,
+            chunks[-1].t_last_ms,
         )
-        for s in self._subs.get(rid, []):
-            s.push(("tokens", merged))
 
-    def _flush_results(self, pending: dict[str, list[PrefillResult]], batch_id: str) -> None:
-        results = pending.pop(batch_id, None)
-        if not results:
-            return
-        # one event per completion instant
+    def _result_items(self, pending: dict[str, list[PrefillResult]], batch_id: str) -> list[tuple[str, Any]]:
+        """One `results` item per completion instant of the batch's pending results."""
         by_t: dict[float, list[PrefillResult]] = {}
-        for r in results:
+        for r in pending.pop(batch_id, None) or []:
             by_t.setdefault(r.end_ms, []).append(r)
-        for group in by_t.values():
-            for s in self._subs.get(batch_id, []):
-                s.push(("results", group))
+        return [("results", group) for group in by_t.values()]
+
+    @staticmethod
+    def _peek(sub: Subscriber) -> tuple[str, Any] | None:
+        """The subscriber's next item if it is already queued (see `Subscriber.push_many`)."""
+        try:
+            item: tuple[str, Any] = sub.queue.get_nowait()
+            return item
+        except asyncio.QueueEmpty:
+            return None
 
     # ---- prefill --------------------------------------------------------------------------
     async def prefill(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
@@ -224,18 +258,25 @@ class WorkerService:
         pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub))
         yield self._p_event("accepted", batch_id, queue_position=pos)
         if replay is not None:
-            if replay:
-                yield self._p_results(batch_id, replay)
-            yield self._p_event("final", batch_id)
+            yield (
+                self._p_results(batch_id, replay, final=True) if replay else self._p_event("final", batch_id)
+            )
             return
+        held: tuple[str, Any] | None = None
         while True:
-            item = await self._next(sub)
+            item, held = held or await self._next(sub), None
             if item is None:
                 yield self._p_event("error", batch_id, errors=["worker stopping or stream idle timeout"])
                 return
             kind, payload = item
             if kind == "results":
-                yield self._p_results(batch_id, payload)
+                # The batch's last results and its `final` travel as one event when both are
+                # ready: one response fewer through the stub, Triton and the gateway (§4.2).
+                held = self._peek(sub)
+                last = held is not None and held[0] == "final"
+                yield self._p_results(batch_id, payload, final=last)
+                if last:
+                    return
             else:
                 yield self._p_event("final", batch_id)
                 return
@@ -304,8 +345,10 @@ class WorkerService:
         self._route(out.effects)
         return out.queue_position, None
 
-    def _p_results(self, batch_id: str, rs: list[PrefillResult]) -> dict[str, np.ndarray]:
-        return {
+    def _p_results(
+        self, batch_id: str, rs: list[PrefillResult], final: bool = False
+    ) -> dict[str, np.ndarray]:
+        out = {
             W.P_EVENT: b1("results"),
             W.P_BATCH_ID: b1(batch_id),
             W.P_EPOCH: b1(self.epoch),
@@ -320,6 +363,9 @@ class WorkerService:
             W.P_SEQ: np.array([r.seq for r in rs], dtype=np.int64),
             W.P_ERROR: bytes_arr(r.error for r in rs),
         }
+        if final:
+            out[W.P_FINAL] = _ONE_I32
+        return out
 
     def _p_event(
         self, kind: str, batch_id: str, *, queue_position: int = 0, errors: list[str] | None = None
@@ -373,9 +419,10 @@ class WorkerService:
         sub = Subscriber(loop)
         await self.runner.call(lambda: self._submit_decode(dreq, sub))
         finished = False
+        held: tuple[str, Any] | None = None
         try:
             while True:
-                item = await self._next(sub)
+                item, held = held or await self._next(sub), None
                 if item is None:
                     yield self._d_finish(
                         rid, EngineStatus.ENGINE_ERROR, 0, "worker stopping or stream idle timeout"
@@ -383,6 +430,17 @@ class WorkerService:
                     return
                 kind, ev = item
                 if kind == "tokens":
+                    held = self._peek(sub)
+                    if held is not None and held[0] == "finish" and held[1].t_ms == ev.t_last_ms:
+                        # The last chunk rides on `finish` (§6.2): one response fewer.
+                        fin: DecodeFinished = held[1]
+                        finished = True
+                        out = self._d_finish(rid, fin.reason, fin.generated, fin.error, fin.t_ms)
+                        out[W.D_TOKENS] = np.asarray(ev.tokens, dtype=np.int32)
+                        out[W.D_FIRST_INDEX] = np.array([ev.first_index], dtype=np.int32)
+                        out[W.D_T_FIRST_MS] = np.array([ev.t_first_ms], dtype=np.float64)
+                        yield out
+                        return
                     yield {
                         W.D_EVENT: b1("tokens"),
                         W.D_TOKENS: np.asarray(ev.tokens, dtype=np.int32),
@@ -425,17 +483,37 @@ class WorkerService:
         self._route(core.submit(dreq, self.runner.model_now()))
 
     async def _release_remote(self, rid: str, addr: str, kv_epoch: str) -> str:
+        """Claim the KV handle on prefill worker `addr` over the side channel (kv_channel.py)."""
+        try:
+            return await asyncio.wrap_future(self.side.submit(self.kv_client.claim(addr, rid, kv_epoch)))
+        except Exception as exc:  # the prefill side is gone: its KV is gone with it
+            log.warning("kv claim on %s failed: %s", addr, exc or type(exc).__name__)
+            return "unreachable"
+
+    # The three below run on the side loop.
+    def _peer(self, addr: str) -> Any:
         from app.rpc.worker_client import WorkerClient
 
-        try:
-            client = self._peer_clients.get(addr)
-            if client is None:
-                client = self._peer_clients[addr] = WorkerClient(addr)
-            body = {"op": "release", "request_id": rid, "epoch": kv_epoch}
-            return str((await client.control(body, timeout=5.0)).get("status", EngineStatus.UNKNOWN))
-        except Exception as exc:  # the prefill side is gone: its KV is gone with it
-            log.warning("kv release on %s failed: %s", addr, exc)
-            return "unreachable"
+        client = self._peer_clients.get(addr)
+        if client is None:
+            client = self._peer_clients[addr] = WorkerClient(addr)
+        return client
+
+    async def _resolve_kv(self, addr: str) -> str | None:
+        answer = await self._peer(addr).control({"op": "kv_endpoint"}, timeout=5.0)
+        return str(answer.get("kv_endpoint") or "") or None  # an error (older peer): no channel
+
+    async def _control_release(self, addr: str, rid: str, kv_epoch: str) -> str:
+        body = {"op": "release", "request_id": rid, "epoch": kv_epoch}
+        answer = await self._peer(addr).control(body, timeout=5.0)
+        return str(answer.get("status", EngineStatus.UNKNOWN))
+
+    async def _claim_local(self, rid: str, epoch: str) -> str:
+        """A claim arriving over the side channel: the same answer as `control.release`."""
+        await self._wait_unhung()
+        if epoch and epoch != self.epoch:
+            return EngineStatus.EPOCH_MISMATCH
+        return str((await self.runner.call(lambda: self._release(rid)))["status"])
 
     def _d_finish(
         self, rid: str, reason: str, generated: int, error: str, t_ms: float = 0.0
@@ -481,6 +559,8 @@ class WorkerService:
         if op == "cancel":
             some_id = str(body["id"])
             return await self.runner.call(lambda: self._cancel(some_id))
+        if op == "kv_endpoint":
+            return {"kv_endpoint": self.kv_endpoint}
         if op == "release":
             if body.get("epoch") and body["epoch"] != self.epoch:
                 return {"status": EngineStatus.EPOCH_MISMATCH}
