@@ -317,6 +317,40 @@ async def test_last_event_carries_final_and_finish_carries_last_tokens(clients) 
     assert [e.event for e in again] == ["accepted", "results", "final"]
 
 
+def test_streams_end_on_their_last_response(worker_pool) -> None:
+    """With the stream-end hook (workers/server/stream_end.py), a client asking for empty final
+    responses gets the final flag on the last real response, and no empty response after it."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from app.protocol import worker_api as W
+
+    w = worker_pool["prefill"][0]
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(w.address)
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        inp = grpcclient.InferInput(W.C_REQUEST, [1], "BYTES")
+        inp.set_data_from_numpy(np.array([json.dumps({"op": "kv_endpoint"}).encode()], dtype=np.object_))
+        client.async_stream_infer(W.CONTROL_MODEL, [inp], enable_empty_final_response=True)
+        responses = []
+        while True:
+            result, error = got.get(timeout=30)
+            assert error is None
+            final = result.get_response().parameters["triton_final_response"].bool_param
+            responses.append((result.as_numpy(W.C_RESPONSE), final))
+            if final:
+                break
+    finally:
+        client.stop_stream()
+        client.close()
+    if w.ready["stream_end_on_last"]:
+        assert len(responses) == 1 and responses[0][0] is not None
+    else:  # a PyTriton the hook was not checked against: its own empty final response
+        assert len(responses) == 2 and responses[1][0] is None
+
+
 async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     p = clients["prefill"][0]
     await p.configure(formula="1", kv_capacity_tokens=5000)

@@ -16,6 +16,7 @@ from .models import (
     PREFILL_OUTPUTS,
 )
 from .service import WorkerConfig, WorkerService
+from .stream_end import install as install_stream_end
 
 log = logging.getLogger("flexlb.worker")
 
@@ -31,6 +32,7 @@ def run_worker(
     """`shm` selects PyTriton's shared-memory tensor store: cheaper for large prompts, but far
     fewer events per second than the default base64 transport (see docs/worker-protocol.md)."""
     t0 = time.monotonic()
+    stream_end = install_stream_end()
     host = TritonHost(
         grpc_port=cfg.grpc_port,
         http_port=http_port,
@@ -62,6 +64,7 @@ def run_worker(
             "metrics_port": host.metrics_port,
             "epoch": svc.epoch,
             "kv_endpoint": svc.kv_endpoint,
+            "stream_end_on_last": stream_end,
             "profile": cfg.profile,
             "time_scale": cfg.time_scale,
             "block_size": cfg.block_size,

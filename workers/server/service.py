@@ -41,6 +41,7 @@ from workers.engine.profiles import EngineProfile, get_profile
 
 from .kv_channel import KvClaimClient, KvClaimServer, SideLoop
 from .runner import EngineRunner, Subscriber
+from .stream_end import EndOfStream
 from .tensors import as_int, as_str, as_strs, b1, bytes_arr, get
 
 log = logging.getLogger("flexlb.worker")
@@ -241,9 +242,11 @@ class WorkerService:
 
     # ---- prefill --------------------------------------------------------------------------
     async def prefill(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
-        for req in requests:
+        for i, req in enumerate(requests):
+            last_req = i == len(requests) - 1
             async for ev in self._prefill_one(req):
-                yield [ev]
+                ends = W.P_FINAL in ev or ev[W.P_EVENT][0] in (b"final", b"error")
+                yield EndOfStream([ev]) if last_req and ends else [ev]
 
     async def _prefill_one(self, req: Any) -> AsyncIterator[dict[str, np.ndarray]]:
         batch_id = as_str(get(req, W.P_BATCH_ID))
@@ -385,9 +388,10 @@ class WorkerService:
 
     # ---- decode ---------------------------------------------------------------------------
     async def decode(self, requests: list[Any]) -> AsyncIterator[list[dict[str, np.ndarray]]]:
-        for req in requests:
+        for i, req in enumerate(requests):
+            last_req = i == len(requests) - 1
             async for ev in self._decode_one(req):
-                yield [ev]
+                yield EndOfStream([ev]) if last_req and ev[W.D_EVENT][0] == b"finish" else [ev]
 
     async def _decode_one(self, req: Any) -> AsyncIterator[dict[str, np.ndarray]]:
         rid = as_str(get(req, W.D_REQUEST_ID))
@@ -538,7 +542,8 @@ class WorkerService:
             except (ControlError, FormulaError, ValueError, TypeError, KeyError) as exc:
                 resp = {"error": str(exc), "code": EngineStatus.INVALID}
             resp.setdefault("epoch", self.epoch)
-            yield [{W.C_RESPONSE: b1(json.dumps(resp))}]
+            out = [{W.C_RESPONSE: b1(json.dumps(resp))}]
+            yield EndOfStream(out) if req is requests[-1] else out
 
     async def _control(self, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
