@@ -15,7 +15,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app.state import scripts
-from app.state.resp import RespConnection, encode
+from app.state.resp import RespConnection, encode, stream_entries
 
 
 def test_encode_is_resp_bulk_arrays() -> None:
@@ -116,4 +116,30 @@ async def test_timeout_raises_and_the_late_reply_is_dropped(redis_url: str) -> N
         assert await c.pipeline([["ECHO", "after"]]) == [b"after"]
         assert c._proto is proto
     finally:
+        await c.close()
+
+
+async def test_blocking_stream_reads_match_redis_py(redis_url: str) -> None:
+    """The owner's XREADGROUP and the origin's XREAD over the lean connection (`stream_entries`)
+    give what redis-py gives; a BLOCK that times out is [], and an error reply is raised."""
+    r = aioredis.from_url(redis_url)
+    c = RespConnection(redis_url, timeout_s=5.0)
+    k = f"t-resp-x:{uuid.uuid4().hex}"
+    try:
+        ids = [await r.xadd(k, {"m": f'{{"n": {i}}}', "ids": bytes([i, 0, 0, 0])}) for i in range(3)]
+        want = [(e, f) for _s, es in await r.xread({k: "0-0"}) for e, f in es]
+        got = stream_entries(await c.call("XREAD", "COUNT", 256, "BLOCK", 50, "STREAMS", k, "0-0"))
+        assert got == want and [e for e, _ in got] == ids and got[1][1][b"ids"] == b"\x01\x00\x00\x00"
+        assert stream_entries(await c.call("XREAD", "BLOCK", 30, "STREAMS", k, "$")) == []
+        await r.xgroup_create(k, "g", id="0")
+        got = stream_entries(await c.call("XREADGROUP", "GROUP", "g", "c1", "COUNT", 2, "STREAMS", k, ">"))
+        assert [e for e, _ in got] == ids[:2]
+        await r.xdel(k, ids[0])  # pending but deleted: no fields
+        got = stream_entries(await c.call("XREADGROUP", "GROUP", "g", "c1", "STREAMS", k, "0"))
+        assert got == [(ids[0], {}), (ids[1], want[1][1])]
+        with pytest.raises(ResponseError, match="NOGROUP"):
+            await c.call("XREADGROUP", "GROUP", "nogroup", "c1", "STREAMS", k, ">")
+    finally:
+        await r.delete(k)
+        await r.aclose()
         await c.close()

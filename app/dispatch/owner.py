@@ -28,6 +28,7 @@ from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.resp import RespConnection, stream_entries
 from app.state.store import FencedOut, StateStore
 
 log = logging.getLogger("flexlb.owner")
@@ -91,8 +92,11 @@ class OwnerDispatcher:
         self.formula = formula or (lambda: compile_formula(DEFAULT_PREFILL_FORMULA))
         self.time_scale = time_scale
         self.on_worker_error = on_worker_error
-        # Blocking stream reads get their own connection (DESIGN §5).
+        # Blocking stream reads get their own connection (DESIGN §5): the lean one for the
+        # hand-off reads (on every request's path, app/state/resp.py), redis-py for the rest and
+        # for URLs the lean client does not speak.
         self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
+        self._lean_reader = RespConnection.from_url(redis_url, timeout_s=10.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
         # request id → the previous owner's batch, for claimed entries we dispatch again; see
@@ -195,6 +199,20 @@ class OwnerDispatcher:
             t.cancel()
         with contextlib.suppress(Exception):
             await self._reader.aclose()
+        if self._lean_reader is not None:
+            with contextlib.suppress(Exception):
+                await self._lean_reader.close()
+
+    async def _read_entries(self, key: str) -> list[tuple[Any, dict[bytes, bytes]]]:
+        """New entries of the worker's queue for this consumer (blocks up to 100 ms)."""
+        self.store.commands_total += 1
+        if self._lean_reader is not None:
+            reply = await self._lean_reader.call(
+                "XREADGROUP", "GROUP", GROUP, self.replica_id, "COUNT", 256, "BLOCK", 100, "STREAMS", key, ">"
+            )
+            return stream_entries(reply)
+        res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
+        return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
 
     async def _read_loop(self) -> None:
         await self.handoff.ensure_group(self.wid)
@@ -206,8 +224,7 @@ class OwnerDispatcher:
                 await asyncio.sleep(0.1)
                 continue
             try:
-                self.store.commands_total += 1
-                res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
+                entries = await self._read_entries(key)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis hiccup or the group vanished (Redis rebuilt)
@@ -217,20 +234,19 @@ class OwnerDispatcher:
                     await self.handoff.ensure_group(self.wid)
                 continue
             now = time.time() * 1000
-            for _stream, entries in res or []:
-                for entry_id, fields in entries:
-                    item = parse_item(entry_id, fields)
-                    self.batcher.add(
-                        Pending(
-                            item.request_id,
-                            len(item.tokens),
-                            item.hit_tokens,
-                            now,
-                            item.predicted_ms * self.time_scale(),
-                            item,
-                        )
+            for entry_id, fields in entries:
+                item = parse_item(entry_id, fields)
+                self.batcher.add(
+                    Pending(
+                        item.request_id,
+                        len(item.tokens),
+                        item.hit_tokens,
+                        now,
+                        item.predicted_ms * self.time_scale(),
+                        item,
                     )
-                    self.wake.set()
+                )
+                self.wake.set()
 
     async def _claim_pending(self, key: str) -> None:
         """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take

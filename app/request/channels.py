@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 
 from app.state.handoff import s
 from app.state.keys import Keys
+from app.state.resp import RespConnection, stream_entries
 
 log = logging.getLogger("flexlb.origin")
 
@@ -22,6 +23,9 @@ class ReplyRouter:
 
     def __init__(self, redis_url: str, keys: Keys, replica_id: str) -> None:
         self.redis = aioredis.from_url(redis_url, socket_timeout=10.0)
+        # The blocking reads go over the lean connection where the URL allows (app/state/resp.py):
+        # every request's result comes this way.
+        self._lean = RespConnection.from_url(redis_url, timeout_s=10.0)
         self.key = keys.replies(replica_id)
         self._waiting: dict[str, asyncio.Future[dict[str, str]]] = {}
         self._early: dict[str, dict[str, str]] = {}  # arrived before anyone waited (bounded)
@@ -52,25 +56,31 @@ class ReplyRouter:
         while True:
             try:
                 self.reads += 1
-                res = await self.redis.xread({self.key: last}, count=256, block=1000)
+                entries = await self._read(last)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("reply stream read failed: %s", exc)
                 await asyncio.sleep(0.2)
                 continue
-            for _stream, entries in res or []:
-                for entry_id, f in entries:
-                    last = s(entry_id)
-                    fields = {s(k): s(v) for k, v in f.items()}
-                    rid = fields.get("rid", "")
-                    fut = self._waiting.pop(rid, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(fields)
-                    elif fut is None:
-                        self._early[rid] = fields
-                        while len(self._early) > 10_000:
-                            self._early.pop(next(iter(self._early)))
+            for entry_id, f in entries:
+                last = s(entry_id)
+                fields = {s(k): s(v) for k, v in f.items()}
+                rid = fields.get("rid", "")
+                fut = self._waiting.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(fields)
+                elif fut is None:
+                    self._early[rid] = fields
+                    while len(self._early) > 10_000:
+                        self._early.pop(next(iter(self._early)))
+
+    async def _read(self, last: str) -> list[tuple[Any, dict[Any, Any]]]:
+        if self._lean is not None:
+            reply = await self._lean.call("XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", self.key, last)
+            return stream_entries(reply)
+        res = await self.redis.xread({self.key: last}, count=256, block=1000)
+        return [(entry_id, f) for _stream, entries in res or [] for entry_id, f in entries]
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -79,6 +89,9 @@ class ReplyRouter:
                 await self._task
         with contextlib.suppress(Exception):
             await self.redis.aclose()
+        if self._lean is not None:
+            with contextlib.suppress(Exception):
+                await self._lean.close()
 
 
 class NotifyListener:

@@ -4,7 +4,10 @@ Why not redis-py here: on the 2-core benchmark VM, redis-py's asyncio client spe
 CPU on a single PING after a few milliseconds idle (pool checkout, retry wrapper, timeout
 context, StreamReader hops), while the same PING over a bare `asyncio.Protocol` with the hiredis
 reader costs ~0.11 ms. The origin's record + reserve + hand-off pipeline sits on every request's
-critical path, so it gets this connection; everything else keeps redis-py.
+critical path, so it gets this connection. Blocking stream reads on the hand-off and reply paths
+(an owner's XREADGROUP, an origin's XREAD) use one of their own each, created with a timeout
+longer than their BLOCK; a connection that carries a blocking read carries nothing else. The
+rest keeps redis-py.
 
 Replies are matched to requests in order (RESP guarantees it on one connection): one future per
 pipeline, completed inside `data_received` once all its replies are parsed, so the waiting
@@ -186,9 +189,27 @@ class RespConnection:
             proto = await self._connect()
         return await self._send(proto, commands)
 
+    async def call(self, *command: Arg) -> Any:
+        """One command; an error reply is raised (redis-py's `ResponseError` family)."""
+        (reply,) = await self.pipeline([command])
+        if isinstance(reply, ResponseError):
+            raise reply
+        return reply
+
     async def close(self) -> None:
         """Close the connection; pipelines still waiting fail with `ConnectionError`."""
         proto, self._proto = self._proto, None
         if proto is not None:
             proto.fail(RedisConnectionError("connection closed by the client"))
             await asyncio.sleep(0)  # let the transport finish closing
+
+
+def stream_entries(reply: Any) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """An XREAD/XREADGROUP reply as (entry id, fields) over all its streams, in order; nil (no
+    entries, or a BLOCK that timed out) is []. An entry deleted while pending has no fields: {}."""
+    out: list[tuple[bytes, dict[bytes, bytes]]] = []
+    for _key, entries in reply or []:
+        for entry_id, flat in entries:
+            fields = dict(zip(flat[::2], flat[1::2], strict=True)) if flat else {}
+            out.append((entry_id, fields))
+    return out
