@@ -359,7 +359,6 @@ async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     with pytest.raises(ValueError, match="empty batch"):
         await collect_prefill(p, "b-" + uid(), epoch, [])
     # lengths that do not add up: the worker answers a typed error event
-    import tritonclient.grpc as grpcclient
 
     from app.rpc.worker_client import WorkerUnavailable, _b, _inp
 
@@ -389,8 +388,7 @@ async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     statuses = sorted(r["status"] for ev in evs for r in ev.results)
     assert statuses == ["duplicate", "invalid_request", "ok", "too_long"]
     # wrong dtype at the gRPC level → Triton refuses; worker keeps serving
-    bad = grpcclient.InferInput("input_ids", [2], "FP32")
-    bad.set_data_from_numpy(np.array([1.0, 2.0], dtype=np.float32))
+    bad = _inp("input_ids", np.array([1.0, 2.0], dtype=np.float32), "FP32")
     with pytest.raises(WorkerUnavailable, match=r"(?i)data-type|FP32"):
         async for _ in p._stream("prefill", [*inputs[:3], bad, inputs[4]], timeout=5):
             raise AssertionError("no response expected")

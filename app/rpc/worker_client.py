@@ -4,6 +4,11 @@ One long-lived channel per worker per process. Every model is decoupled, so ever
 stream; closing a stream does not cancel it on the server (neither tritonclient nor PyTriton
 checks), so an abandoned call is cancelled explicitly here, and engine work is cancelled with
 `control.cancel` by the caller who owns it.
+
+Calls go straight to the KServe stub (`ModelStreamInfer`) with the request written from the
+calling coroutine, not through tritonclient's `stream_infer`, which builds `InferInput` objects
+and runs a task per call to feed its request iterator: ~0.15 ms of CPU per call less, on two calls
+per request. tritonclient still supplies the protobuf types and `InferResult` for reading.
 """
 
 from __future__ import annotations
@@ -15,9 +20,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as aioclient
-from tritonclient.utils import InferenceServerException
+from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor
 
 from app.protocol import worker_api as W
 
@@ -48,10 +52,37 @@ class DecodeEvent:
     error: str = ""
 
 
-def _inp(name: str, arr: np.ndarray, dtype: str) -> grpcclient.InferInput:
-    i = grpcclient.InferInput(name, list(arr.shape), dtype)
-    i.set_data_from_numpy(arr)
-    return i
+Input = tuple[str, np.ndarray, str]  # name, data, KServe datatype
+
+# tritonclient's channel defaults: no message-size cap (a prompt batch can be large), keepalive
+# as it sets it (pings effectively off; deadlines and the owner's health checks find dead workers).
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", 2**31 - 1),
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.keepalive_time_ms", 2**31 - 1),
+    ("grpc.keepalive_timeout_ms", 20000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 2),
+]
+
+
+def _inp(name: str, arr: np.ndarray, dtype: str) -> Input:
+    return (name, arr, dtype)
+
+
+def _request(model: str, inputs: Sequence[Input], request_id: str) -> service_pb2.ModelInferRequest:
+    req = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+    for name, arr, dtype in inputs:
+        t = req.inputs.add()
+        t.name = name
+        t.datatype = dtype
+        t.shape.extend(arr.shape)
+        if dtype == "BYTES":
+            packed = serialize_byte_tensor(arr)
+            req.raw_input_contents.append(packed.item() if packed.size else b"")
+        else:
+            req.raw_input_contents.append(arr.tobytes())
+    return req
 
 
 def _b(values: Sequence[str]) -> np.ndarray:
@@ -65,30 +96,30 @@ def _s(x: Any) -> str:
 class WorkerClient:
     def __init__(self, address: str) -> None:
         self.address = address
-        self._client = aioclient.InferenceServerClient(address)
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
     async def close(self) -> None:
-        await self._client.close()
+        await self._channel.close()
 
     async def _stream(
-        self, model: str, inputs: list[grpcclient.InferInput], timeout: float | None, request_id: str = ""
-    ) -> AsyncIterator[Any]:
-        async def it() -> AsyncIterator[dict[str, Any]]:
-            yield {"model_name": model, "inputs": inputs, "request_id": request_id}
-
-        responses = self._client.stream_infer(it(), stream_timeout=timeout)
+        self, model: str, inputs: Sequence[Input], timeout: float | None, request_id: str = ""
+    ) -> AsyncIterator[InferResult]:
+        call = self._stub.ModelStreamInfer(timeout=timeout)
         finished = False
         try:
-            async for result, error in responses:
-                if error is not None:
-                    raise WorkerUnavailable(f"{self.address} {model}: {_short(error)}")
-                yield result
+            await call.write(_request(model, inputs, request_id))
+            await call.done_writing()
+            async for resp in call:
+                if resp.error_message:
+                    raise WorkerUnavailable(f"{self.address} {model}: {resp.error_message[-1500:]}")
+                yield InferResult(resp.infer_response)
             finished = True
-        except (InferenceServerException, grpc.aio.AioRpcError) as exc:
+        except grpc.aio.AioRpcError as exc:
             raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}") from exc
         finally:
             if not finished:
-                responses.cancel()
+                call.cancel()
 
     # ---- control --------------------------------------------------------------------------
     async def control(self, body: dict[str, Any], timeout: float | None = 5.0) -> dict[str, Any]:
