@@ -24,7 +24,14 @@ wait, then SIGKILL of its process group; a replica that ignores SIGTERM gets its
 py-spy when installed). Before each phase the cluster must be ready again; a worker that dies
 mid-run (a Triton crash) is recorded under `incidents` and each phase says how many deaths it saw.
 
+Schedule: issue #4 measures the path at batch size 1, each request dispatched as its own batch, so
+by default the bench sets the cluster's runtime config to `schedule_mode=direct` with no in-flight
+cap. `--schedule batching` keeps the product's default batcher instead: at most 2 batches in flight
+per worker, so under load a request can wait at the owner for a batch to finish (a batching
+policy; that wait then shows in the hand-off figure).
+
     .venv/bin/python bench/gateway_overhead.py [--quick] [--output DIR] [--redis-url URL] [--rate N]
+        [--schedule direct|batching]
 """
 
 from __future__ import annotations
@@ -212,6 +219,10 @@ class Gateway:
     def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"}
         return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+
+    def put(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.put(self.url + path, json=body, headers=headers, timeout=timeout)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
         r = self.get(f"/admin/stats?reset={'true' if reset else 'false'}", admin=True, timeout=10.0)
@@ -972,6 +983,21 @@ def setup_cluster(
 
     wait_for(ready, 60, "both replicas ready, every worker up and owned")
     results["ownership"] = {g.replica_id: g.get("/readyz").json()["owned"] for g in gws}
+    if args.schedule == "direct":
+        # The cluster-wide runtime config (one transaction; both replicas apply it on their next
+        # config refresh, waited for below): one request per batch, and no in-flight cap holding
+        # a request back while earlier ones are at the worker.
+        patch = {"schedule_mode": "direct", "max_inflight_batches": 64}
+        gws[0].put("/admin/config", patch).raise_for_status()
+
+        def applied() -> bool:
+            for g in gws:
+                eff = g.get("/admin/config", admin=True).json()["effective"]
+                if eff["schedule_mode"] != "direct" or eff["max_inflight_batches"] != 64:
+                    return False
+            return True
+
+        wait_for(applied, 30, "both replicas on the direct schedule")
     return gws, workers
 
 
@@ -1148,7 +1174,8 @@ def summary_md(results: dict[str, Any]) -> str:
         "",
         f"{results['started_at']}, {'quick' if cfg['quick'] else 'full'} run, {cfg['cpus']} CPUs, "
         f"load average before/after {cfg['loadavg_before']} / {results.get('loadavg_after')}, "
-        f"{cfg['redis']} Redis. Workers: `{' '.join(cfg['worker_args'])}`. "
+        f"{cfg['redis']} Redis, schedule `{cfg.get('schedule', 'batching')}`. "
+        f"Workers: `{' '.join(cfg['worker_args'])}`. "
         f"Ownership: {results.get('ownership')}.",
         "",
     ]
@@ -1245,6 +1272,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
     p.add_argument("--gateway-log-level", default="INFO", help="gateway --log-level (product default INFO)")
     p.add_argument("--rate", type=float, default=None, help="open-loop rate in req/s (default 100)")
+    p.add_argument(
+        "--schedule",
+        choices=["direct", "batching"],
+        default="direct",
+        help="direct (default): each request its own batch, dispatched at once, as issue #4 measures "
+        "the path; batching: the product's default batcher (fixed window, at most 2 batches in flight "
+        "per worker, so a request can wait for a batch to finish: batching policy, not hand-off)",
+    )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -1269,6 +1304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "max_new_tokens": MAX_NEW_TOKENS,
             "worker_args": WORKER_ARGS + KV_TTL_ARGS,
             "gateway_log_level": args.gateway_log_level,
+            "schedule": args.schedule,
             "targets": TARGETS,
             "open_loop_max_inflight": OPEN_LOOP_MAX_INFLIGHT,
             "request_timeout_s": REQUEST_TIMEOUT_S,
