@@ -63,6 +63,7 @@ def _root() -> None:
 def worker(
     role: Annotated[str, typer.Option(help="prefill or decode")],
     grpc_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
+    kv_port: Annotated[int, typer.Option(help="prefill: KV side channel port; 0 picks a free one")] = 0,
     http_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
     metrics_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
     host: Annotated[str, typer.Option(help="address advertised to the gateway")] = "127.0.0.1",
@@ -104,6 +105,7 @@ def worker(
         role=role,
         host=host,
         grpc_port=grpc_port,
+        kv_port=kv_port,
         profile=profile,
         formula=formula,
         time_scale=time_scale,

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.netports import free_port
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import DecodeEvent, PrefillEvent, WorkerClient
 from workers.engine.tokens import output_tokens
@@ -428,12 +429,16 @@ def test_restart_new_epoch_full_snapshot_and_sigterm_cleanup(worker_tmp: Path) -
     assert subprocess.run(["pgrep", "-P", str(w.proc.pid)], capture_output=True).stdout == b""
     after = set(Path("/tmp").glob("flexlb-triton-*"))
     assert not (after - before) and len(before - after) >= 1  # its workspace is gone
+    kv_port = free_port()
     w2 = start_worker(
-        "prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)
+        "prefill",
+        worker_tmp,
+        *("--profile", "formula", "--formula", "1", "--grpc-port", str(port), "--kv-port", str(kv_port)),
     )
     try:
         e2, snap = asyncio.run(poke(w2.address, e1))
         assert e2 != e1 and snap["full"] is True
+        assert w2.ready["kv_endpoint"] == f"127.0.0.1:{kv_port}" != w.ready["kv_endpoint"]
     finally:
         w2.stop()
 

@@ -58,6 +58,7 @@ class WorkerConfig:
     role: str
     host: str = "127.0.0.1"
     grpc_port: int = 0
+    kv_port: int = 0  # prefill: the KV side channel's port (0: a free one)
     profile: str = "llama3.1-8b-h100"
     formula: str | None = None
     time_scale: float = 1.0
@@ -138,7 +139,7 @@ class WorkerService:
         self.runner.start()
         self.side.start()
         if self.kv_server is not None:
-            self.side.run(self.kv_server.start(kv_bind, free_port(kv_bind)))
+            self.side.run(self.kv_server.start(kv_bind, self.cfg.kv_port or free_port(kv_bind)))
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):
