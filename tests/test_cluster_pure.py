@@ -40,6 +40,27 @@ def test_mirror_snapshot_diff_and_prefix_match() -> None:
     assert m.holders(4, 0) == set()
 
 
+def test_mirror_keys_are_not_containers_the_collector_walks() -> None:
+    """The gateway's mirror holds block keys in one set per worker: 100K keys add a handful of
+    GC-tracked objects, not one per key (a set per key made full collections of a loaded replica
+    take ~150 ms, stalling its event loop). The simulator's holders index keeps one per key."""
+    import gc
+    import random
+
+    rng = random.Random(7)
+    keys = [rng.getrandbits(64) for _ in range(100_000)]
+    for indexed, bound in ((False, 50), (True, 100_000)):
+        gc.collect()
+        before = len(gc.get_objects())
+        m = CacheMirror(holders_index=indexed)
+        m.load_snapshot("w1", "e", 1, keys[:60_000])
+        assert m.apply_diff("w1", "e", 2, keys[60_000:], keys[:10_000])
+        tracked = len(gc.get_objects()) - before
+        assert (tracked < bound) if not indexed else (tracked >= bound * 0.9)
+        assert m.size("w1") == 90_000 and m.holders(keys[-1], 0) == {"w1"}
+        assert m.match(keys[10_000:10_003], ["w1"], 0) == {"w1": 3}
+
+
 def test_mirror_speculative_entries_expire() -> None:
     m = CacheMirror(speculative_ttl_ms=2000)
     m.add_speculative("w1", [7, 8], now_ms=1000)

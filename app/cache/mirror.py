@@ -21,9 +21,14 @@ class _WorkerView:
 
 
 class CacheMirror:
-    def __init__(self, speculative_ttl_ms: float = 2000.0) -> None:
+    def __init__(self, speculative_ttl_ms: float = 2000.0, *, holders_index: bool = False) -> None:
+        """`holders_index`: also keep block key -> holders (the simulator's `match_fast` starts
+        from block 0's holders among 1,000 workers). The gateway leaves it off: a set per key made
+        every block key a container the garbage collector walks (200K keys: a 157 ms full
+        collection, a stall of the whole event loop), and one set of keys per worker is all
+        `match` reads."""
         self.speculative_ttl_ms = speculative_ttl_ms
-        self._index: dict[int, set[str]] = {}
+        self._index: dict[int, set[str]] | None = {} if holders_index else None
         self._workers: dict[str, _WorkerView] = {}
         self._spec: dict[tuple[int, str], float] = {}  # (key, worker) → expiry ms
 
@@ -35,8 +40,9 @@ class CacheMirror:
     def load_snapshot(self, worker: str, epoch: str, version: int, keys: Iterable[int]) -> None:
         self.drop_worker(worker)
         view = self._workers[worker] = _WorkerView(epoch, version, set(keys))
-        for k in view.keys:
-            self._index.setdefault(k, set()).add(worker)
+        if self._index is not None:
+            for k in view.keys:
+                self._index.setdefault(k, set()).add(worker)
 
     def apply_diff(
         self,
@@ -55,6 +61,11 @@ class CacheMirror:
         view = self._workers.get(worker)
         if view is None or view.epoch != epoch or version <= view.version:
             return False
+        if self._index is None:
+            view.keys.difference_update(removed)
+            view.keys.update(added)
+            view.version = version
+            return True
         for k in removed:
             if k in view.keys:
                 view.keys.discard(k)
@@ -72,7 +83,7 @@ class CacheMirror:
 
     def drop_worker(self, worker: str) -> None:
         view = self._workers.pop(worker, None)
-        if view is None:
+        if view is None or self._index is None:
             return
         for k in view.keys:
             holders = self._index.get(k)
@@ -92,7 +103,10 @@ class CacheMirror:
 
     # ---- queries -------------------------------------------------------------------------
     def holders(self, key: int, now_ms: float) -> set[str]:
-        out = set(self._index.get(key, ()))
+        if self._index is not None:
+            out = set(self._index.get(key, ()))
+        else:
+            out = {w for w, v in self._workers.items() if key in v.keys}
         for (k, w), e in self._spec.items():
             if k == key and e > now_ms:
                 out.add(w)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -33,6 +34,11 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await replica.start()
+        # Everything alive now (modules, the app, the replica) lives as long as the process: freeze
+        # it out of the collector's reach. Unfrozen, each full collection walked ~85K start-up
+        # objects, a ~45 ms stall of the event loop and every request on it.
+        gc.collect()
+        gc.freeze()
         log.info("replica %s serving at %s", replica.replica_id, replica.address)
         try:
             yield

@@ -68,6 +68,9 @@ class SpecIndex:
 class SimMirror(CacheMirror):
     """`CacheMirror` fed by the simulated owners' polls, with a holder-driven `match_fast`."""
 
+    def __init__(self, speculative_ttl_ms: float = 2000.0) -> None:
+        super().__init__(speculative_ttl_ms, holders_index=True)
+
     def match_fast(self, keys: Sequence[int], spec: SpecIndex, now_ms: float) -> dict[str, int]:
         """Leading blocks of ``keys`` each worker holds, confirmed or (unexpired) speculative, for
         the workers that hold at least the first block; the others are absent (= 0 blocks). Equal
@@ -76,6 +79,7 @@ class SimMirror(CacheMirror):
         if not keys:
             return {}
         k0 = keys[0]
+        assert self._index is not None
         holders: set[str] = set(self._index.get(k0, ()))
         sp0 = spec.get(k0)
         if sp0:

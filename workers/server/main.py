@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -55,6 +56,8 @@ def run_worker(
         host.bind("control", svc.control, CONTROL_INPUTS, CONTROL_OUTPUTS, decoupled=True, strict=False)
         svc.start(kv_bind=bind_address)
         host.start()
+        gc.collect()
+        gc.freeze()  # start-up objects live as long as the process: keep full collections short
         ready = {
             "event": "worker_ready",
             "role": cfg.role,
