@@ -452,11 +452,12 @@ def test_sigint_also_stops(worker_tmp: Path) -> None:
 
 
 def test_stale_workspaces_of_dead_workers_are_removed() -> None:
-    """A hard-killed worker leaves its workspace; the next worker to start removes it, and only
-    it: a root whose owner lives, or one without an owner file, stays."""
+    """A hard-killed worker leaves its workspace and its Python-backend pools in /dev/shm; the next
+    worker to start removes them, and only them: a root or pool whose owner lives, or a root
+    without an owner file, stays."""
     import tempfile
 
-    from workers.server.launcher import _OWNER_FILE, _ROOT_PREFIX, _remove_stale_roots
+    from workers.server.launcher import _OWNER_FILE, _ROOT_PREFIX, _SHM_DIR, _SHM_PREFIX, _remove_stale_roots
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -466,10 +467,20 @@ def test_stale_workspaces_of_dead_workers_are_removed() -> None:
         if owner is not None:
             (root / _OWNER_FILE).write_text(owner)
         roots[name] = root
+    tag = uuid.uuid4().hex[:8]
+    pools = {
+        "dead": _SHM_DIR / f"{_SHM_PREFIX}{dead.pid}-{tag}",
+        "alive": _SHM_DIR / f"{_SHM_PREFIX}{os.getpid()}-{tag}",
+    }
+    for pool in pools.values():
+        pool.write_bytes(b"\0" * 4096)
     try:
         _remove_stale_roots()
         assert not roots["dead"].exists()
         assert roots["alive"].exists() and roots["foreign"].exists()
+        assert not pools["dead"].exists() and pools["alive"].exists()
     finally:
         for root in roots.values():
             shutil.rmtree(root, ignore_errors=True)
+        for pool in pools.values():
+            pool.unlink(missing_ok=True)

@@ -109,6 +109,10 @@ _SHM_GROWTH_BYTES = 16 << 20
 
 _ROOT_PREFIX = "flexlb-triton-"
 _OWNER_FILE = "owner.pid"
+# Triton names the Python-backend pools after the PyTriton process (pytriton/triton.py spells the
+# prefix this way): /dev/shm/pytrtion<pid>-<hash>, 64 MiB each (_SHM_INITIAL_BYTES), two a worker.
+_SHM_DIR = Path("/dev/shm")
+_SHM_PREFIX = "pytrtion"
 
 
 def _remove_stale_roots() -> None:
@@ -124,6 +128,20 @@ def _remove_stale_roots() -> None:
             continue
         shutil.rmtree(root, ignore_errors=True)
         log.info("removed stale Triton workspace %s (owner %d is gone)", root, owner)
+    _remove_stale_shm()
+
+
+def _remove_stale_shm() -> None:
+    """A worker killed hard also leaves its Python-backend pools in /dev/shm: 128 MiB of memory per
+    crash, for good, and a container's /dev/shm is 64 MiB by default. Removed here once the process
+    they are named after is gone (unlinking never disturbs a process that still maps one)."""
+    for seg in _SHM_DIR.glob(f"{_SHM_PREFIX}*-*"):
+        pid = seg.name[len(_SHM_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        with contextlib.suppress(OSError):
+            seg.unlink()
+            log.info("removed stale Triton shared memory %s (owner %s is gone)", seg.name, pid)
 
 
 def _size_python_backend_shm() -> None:
