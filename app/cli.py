@@ -246,6 +246,9 @@ def simulate(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    from app.supervise import die_with_parent
+
+    die_with_parent()  # started by `flexlb up`: do not outlive it, even if it is SIGKILLed
     app()
 
 

@@ -420,14 +420,18 @@ class TritonHost:
 
         Must be called from the main thread (Python only delivers signals there). The handler runs
         `stop()` inline, which is safe because `stop()` takes no lock that the interrupted main
-        thread could hold across a blocking call; a second signal while stopping is ignored rather
-        than killing the process halfway through cleanup.
+        thread could hold across a blocking call. A second signal while stopping exits at once
+        (someone pressed Ctrl-C twice), but not before the sweep that `stop()` ends with: SIGKILL
+        tritonserver and its stubs, unlink their /dev/shm pools, remove the temp root (< 0.1 s).
         """
 
         def _handler(signum: int, _frame: FrameType | None) -> None:
             if self.stopping.is_set():
-                log.warning("signal %d while stopping; still cleaning up", signum)
-                return
+                log.warning("signal %d while stopping; exiting at once", signum)
+                self._sweep_leftovers()
+                shutil.rmtree(self.root, ignore_errors=True)
+                logging.shutdown()
+                os._exit(exit_code or 1)
             log.info("signal %d: stopping triton", signum)
             self.stop()
             sys.exit(exit_code)
