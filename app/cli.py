@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="FlexLB: KV-cache-aware LLM gateway")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="FlexLB: KV-cache-aware LLM gateway",
+    # Plain click help for every subcommand: rich panels cut option names in a narrow terminal,
+    # and `bench`/`simulate` render theirs through the same click formatter (app/clihelp.py).
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
 
 
 class _JsonFormatter(logging.Formatter):
