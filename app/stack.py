@@ -202,6 +202,7 @@ def run_stack(
             g.ready = True
         phases["ready_s"] = time.monotonic() - t0
         manifest = log_dir / "stack.json"
+        _write_token(log_dir / "admin_token", token)
         _write_manifest(manifest, procs, redis_url, phases)
         console.say(_banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0))
         url = redis_url
@@ -277,6 +278,14 @@ def _stop_all(
             console.say(f"embedded redis stop failed: {exc!r}", err=True)
     console.say(f"stopped in {time.monotonic() - t1:.1f} s; logs in {log_dir}/")
     console.close()
+
+
+def _write_token(path: Path, token: str) -> None:
+    """For `flexlb status` on this machine: the generated token, readable by this user only (it is
+    not in stack.json, which tools may copy around)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
 
 
 def _write_manifest(path: Path, procs: list[Proc], redis_url: str, phases: dict[str, float]) -> None:

@@ -16,7 +16,7 @@ from app.report import TABLE_COLUMNS, print_table
 from app.traces import Trace, TraceRequest, load_trace
 
 TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"
-SUBCOMMANDS = ["worker", "gateway", "up", "bench", "simulate"]
+SUBCOMMANDS = ["worker", "gateway", "up", "status", "bench", "simulate"]
 
 
 def _help(sub: str, columns: int) -> str:
