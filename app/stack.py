@@ -124,22 +124,51 @@ def _run_dir(root: Path) -> Path:
     return run
 
 
+def _all_ready(workers: list[Proc], timeout: float) -> None:
+    """Wait for every worker's ready line, in parallel (~6 s each). Daemon threads, not an
+    executor: on Ctrl-C the interpreter would join an executor's threads at exit, each blocked up
+    to `timeout` on a worker that the clean-up has already stopped."""
+    errors: list[BaseException] = []
+
+    def one(w: Proc) -> None:
+        try:
+            _worker_ready(w, timeout)
+        except StartError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(w,), name=f"ready-{w.name}", daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class Interrupted(Exception):
+    """A signal arrived while the stack was still starting."""
+
+
 class _Signals:
     """SIGINT/SIGTERM/SIGHUP: the first asks for a clean stop, a second one hurries it (each child
-    gets its own second signal, which makes it exit at once, see `Proc.finish`)."""
+    gets its own second signal, which makes it exit at once, see `Proc.finish`). While the stack
+    is still starting, the first one also interrupts the start (which may wait up to 90 s on a
+    worker) by raising `Interrupted` in the main thread."""
 
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.hurry = threading.Event()
-        self.received: list[int] = []
+        self.starting = True
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._on)
 
     def _on(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
         if self.stop.is_set():
             self.hurry.set()
         self.stop.set()
+        if self.starting:
+            self.starting = False  # raise once; the clean-up that follows must run uninterrupted
+            raise Interrupted(f"signal {signum}")
 
 
 def run_stack(
@@ -182,9 +211,7 @@ def run_stack(
             spawn(f"gateway-{i}", ["gateway", "--port", str(port + i)], log_dir, env) for i in range(gateways)
         ]
         procs += gws
-        with ThreadPoolExecutor(max(1, len(workers))) as ex:  # workers start in parallel (~6 s each)
-            for f in [ex.submit(_worker_ready, w, 90) for w in workers]:
-                f.result()
+        _all_ready(workers, 90)
         phases = {"workers_s": time.monotonic() - t0}
         for i, g in enumerate(gws):
             g.info = {"url": f"http://127.0.0.1:{port + i}"}
@@ -206,7 +233,11 @@ def run_stack(
         _write_manifest(manifest, procs, redis_url, phases)
         console.say(_banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0))
         url = redis_url
+        sigs.starting = False
         rc = _watch(procs, sigs, log_dir, env, console, lambda: _write_manifest(manifest, procs, url, phases))
+    except Interrupted as exc:
+        console.say(f"interrupted while starting ({exc})", err=True)
+        rc = 130
     except StartError as exc:
         console.say(f"start failed: {exc}", err=True)
         rc = 1
@@ -258,6 +289,7 @@ def _stop_all(
     """Gateways drain first, then the workers stop, each group in parallel, then Redis. Every step
     is guarded on its own: a failure in one must not leave the others running."""
     t1 = time.monotonic()
+    sigs.starting = False
     sigs.stop.set()
     console.say("stopping...")
     gw_procs = [p for p in procs if p.is_gateway]

@@ -109,7 +109,7 @@ class Run:
         return left
 
 
-def _start(tmp_path: Path, tail: str = "", stdout: int | None = subprocess.DEVNULL) -> Run:
+def _start(tmp_path: Path, tail: str = "", stdout: int | None = subprocess.DEVNULL, wait: bool = True) -> Run:
     """`flexlb up ... TAIL` in its own process group, as a shell runs a pipeline in a terminal."""
     marker = uuid.uuid4().hex[:12]
     log_dir = tmp_path / "logs"
@@ -135,7 +135,8 @@ def _start(tmp_path: Path, tail: str = "", stdout: int | None = subprocess.DEVNU
         assert proc.poll() is None, f"flexlb up exited with {proc.returncode}:\n{run.up_log()[-3000:]}"
         return False
 
-    wait_for(up, 90, 0.2, what="flexlb up ready (stack.json)")
+    if wait:
+        wait_for(up, 90, 0.2, what="flexlb up ready (stack.json)")
     return run
 
 
@@ -190,6 +191,33 @@ def test_ctrl_c_stops_everything_even_when_the_output_pipe_is_gone(
         assert "second signal" in log, log[-2000:]  # the gateway was still draining
         assert took < 5, f"pressed twice, flexlb up still took {took:.1f} s"
     print(f"Ctrl-C x{presses}: flexlb up exited in {took:.1f} s")
+
+
+def test_ctrl_c_while_the_workers_are_still_starting_stops_at_once(tmp_path: Path, runs: list[Run]) -> None:
+    """The start can wait up to 90 s on a worker; Ctrl-C must not wait for it."""
+    run = _start(tmp_path, wait=False)
+    runs.append(run)
+
+    def triton_roots() -> list[Path]:
+        pids = {int(line.split()[0]) for line in run.processes()}
+        roots = []
+        for d in Path(tempfile.gettempdir()).glob("flexlb-triton-*"):
+            with contextlib.suppress(OSError, ValueError):
+                if int((d / "owner.pid").read_text()) in pids:
+                    roots.append(d)
+        return roots
+
+    run.temp_dirs = wait_for(
+        lambda: len(triton_roots()) == 2 and triton_roots(), 60, 0.05, what="workers starting"
+    )
+    assert not (run.log_dir / "latest" / "stack.json").exists(), "too late: the stack is already up"
+    t0 = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGINT)
+    assert run.proc.wait(20) == 130
+    took = time.monotonic() - t0
+    run.assert_nothing_left(10)
+    assert "interrupted while starting" in run.up_log()
+    assert took < 12, f"Ctrl-C during the start took {took:.1f} s"
 
 
 def test_a_dead_gateway_is_restarted_and_sigkill_of_up_leaves_nothing_within_10s(

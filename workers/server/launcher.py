@@ -384,7 +384,7 @@ class TritonHost:
         self.stopping.set()
         t0 = time.perf_counter()
         try:
-            if self._start_finished():
+            if self._start_finished(grace_s=1.0):
                 self._triton.stop()
             else:
                 # PyTriton's run() holds the lock its stop() needs until readiness or its own
@@ -404,7 +404,10 @@ class TritonHost:
         """Whether PyTriton's run() has returned, waiting up to `grace_s` while the server lives.
 
         A live server normally finishes loading within seconds, after which a clean stop is
-        possible; a dead one never lets run() return before PyTriton's 120 s timeout.
+        possible; a dead one never lets run() return before PyTriton's 120 s timeout. `stop()`
+        waits only 1 s: a Ctrl-C during start-up waited up to 30 s here (loading takes 5-20 s on
+        a loaded 2-core box) and `flexlb up` SIGKILLed the worker first; the sweep that follows
+        removes a half-started server as thoroughly.
         """
         if self._start_thread is None:
             return True
