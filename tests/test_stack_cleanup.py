@@ -180,7 +180,8 @@ def test_ctrl_c_stops_everything_even_when_the_output_pipe_is_gone(
     t0 = time.monotonic()
     os.killpg(run.proc.pid, signal.SIGINT)
     if presses == 2:
-        wait_for(lambda: "stopping..." in run.up_log(), 5, 0.05, what="stopping")
+        wait_for(lambda: "stopping..." in run.up_log(), 10, 0.05, what="stopping")
+        t0 = time.monotonic()  # from the second press
         os.killpg(run.proc.pid, signal.SIGINT)
     run.proc.wait(30)
     took = time.monotonic() - t0
@@ -189,8 +190,8 @@ def test_ctrl_c_stops_everything_even_when_the_output_pipe_is_gone(
     assert "stopping..." in log and "stopped in" in log, log[-2000:]
     if presses == 2:
         assert "second signal" in log, log[-2000:]  # the gateway was still draining
-        assert took < 5, f"pressed twice, flexlb up still took {took:.1f} s"
-    print(f"Ctrl-C x{presses}: flexlb up exited in {took:.1f} s")
+        assert took < 4, f"after the second Ctrl-C, flexlb up still took {took:.1f} s"
+    print(f"Ctrl-C x{presses}: flexlb up exited {took:.1f} s after the last press")
 
 
 def test_ctrl_c_while_the_workers_are_still_starting_stops_at_once(tmp_path: Path, runs: list[Run]) -> None:
