@@ -280,6 +280,15 @@ def simulate(ctx: typer.Context) -> None:
     raise typer.Exit(sim_main(list(ctx.args)))
 
 
+def _add_subcommands() -> None:
+    from app.security.cli import keys_app
+
+    app.add_typer(keys_app, name="keys")
+
+
+_add_subcommands()
+
+
 def main() -> None:
     from app.supervise import die_with_parent
 

@@ -8,7 +8,8 @@ scheduling, Redis, the owner's hand-off, gRPC and Triton. Three questions, each 
    origin overhead (arrival -> hand-off appended; p50 <= 1 ms, p99 <= 5 ms), the hand-off latency
    (appended -> owner writes the gRPC prefill; p50 <= 2 ms), Redis commands per request (<= 12;
    raw, and net of the background loops' idle rate measured over a quiet window first), gateway
-   CPU per request and errors by code. The samples are the gateways' own (`GET /admin/stats`).
+   CPU per request and errors by code. The samples are the gateways' own (`GET /admin/stats`,
+   cleared by `POST /admin/stats/reset`).
 2. End-to-end latency added by the gateway: sequential requests through it vs the same prompts
    sent straight to the workers (`WorkerClient.prefill`, then `.decode` fetching that KV).
 3. Closed-loop throughput at 1, 32 and 128 concurrent clients.
@@ -225,7 +226,10 @@ class Gateway:
         return httpx.put(self.url + path, json=body, headers=headers, timeout=timeout)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        r = self.get(f"/admin/stats?reset={'true' if reset else 'false'}", admin=True, timeout=10.0)
+        if reset:
+            r = self.post("/admin/stats/reset", {}, timeout=10.0)
+        else:
+            r = self.get("/admin/stats", admin=True, timeout=10.0)
         r.raise_for_status()
         return r.json()  # type: ignore[no-any-return]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,14 +18,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
 from app.gateway.errors import ApiError
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
+from app.security.limits import REQUEST_ID_RULE, trace_id_from, valid_request_id
+from app.security.tenants import path_id, public_id, scoped_id, tenant_of
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
 
 router = APIRouter()
 T = TypeVar("T")
-#: What a request id may look like, from the body or `X-Request-Id`: it becomes part of Redis keys
-#: (`{q:<id>}` is a hash tag, so braces must never get in) and of log lines.
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def _replica(request: Request) -> Any:
@@ -38,12 +36,9 @@ def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
     X-Request-Id, else a UUID; the trace from traceparent."""
     client = body_id or request.headers.get("x-request-id")
     rid = client or uuid.uuid4().hex
-    if not REQUEST_ID.match(rid):
-        raise ApiError("invalid_request", "request id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
-    tp = request.headers.get("traceparent", "")
-    parts = tp.split("-")
-    trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
-    return rid, trace, not client
+    if not valid_request_id(rid):
+        raise ApiError("invalid_request", REQUEST_ID_RULE)
+    return rid, trace_id_from(request.headers.get("traceparent")), not client
 
 
 def _check_model(r: Any, model: str | None) -> str:
@@ -226,9 +221,12 @@ async def _prepare(
 ) -> GenRequest:
     _check_limits(r, len(ids), max_new)
     rid, trace, fresh = _ids(request, body_rid)
+    rid = scoped_id(tenant_of(request), rid)  # ids live in their tenant's namespace
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
-    return GenRequest(rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint, fresh_id=fresh)
+    timeout = _timeout(r, timeout_ms)
+    await request.app.state.tenants.admit(request, rid, len(ids) + max_new, timeout)
+    return GenRequest(rid, ids, max_new, timeout, trace, endpoint, fresh_id=fresh)
 
 
 # ---- OpenAI completions ------------------------------------------------------------------------
@@ -252,7 +250,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, ids, body.max_tokens if body.max_tokens is not None else 16, None, None, "completions"
     )
-    cid = f"cmpl-{req.request_id}"
+    cid = f"cmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
         o = await _guarded(request, _collect(r, req))
@@ -366,7 +364,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, r.tokenizer.encode(text), max_new if max_new is not None else 16, None, None, "chat"
     )
-    cid = f"chatcmpl-{req.request_id}"
+    cid = f"chatcmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
         o = await _guarded(request, _collect(r, req))
@@ -398,7 +396,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
 # ---- native ------------------------------------------------------------------------------------
 def _native(r: Any, o: dict[str, Any]) -> dict[str, Any]:
     return {
-        "request_id": o["request_id"],
+        "request_id": public_id(o["request_id"]),
         "model": r.settings.model,
         "text": _text(r, o["output_ids"]),
         "output_ids": o["output_ids"],
@@ -435,10 +433,20 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         async for kind, payload in _relay(r, req):
             if kind == "first":
                 yield _sse(
-                    {"request_id": req.request_id, "token_ids": [payload], "text": detok.feed([payload])}
+                    {
+                        "request_id": public_id(req.request_id),
+                        "token_ids": [payload],
+                        "text": detok.feed([payload]),
+                    }
                 )
             elif kind == "tokens":
-                yield _sse({"request_id": req.request_id, "token_ids": payload, "text": detok.feed(payload)})
+                yield _sse(
+                    {
+                        "request_id": public_id(req.request_id),
+                        "token_ids": payload,
+                        "text": detok.feed(payload),
+                    }
+                )
             elif kind in ("end", "stored"):
                 o = payload if kind == "end" else _stored_or_error(payload)
                 if isinstance(o, ApiError):
@@ -457,26 +465,30 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 @router.get("/v1/requests/{request_id}")
 async def get_request(request_id: str, request: Request) -> dict[str, Any]:
     r = _replica(request)
-    rec = await r.store.get_request(request_id)
+    rec = await r.store.get_request(path_id(request, request_id))  # another tenant's id: not found
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
-    return {"request_id": request_id, **rec}
+    outcome = rec.get("outcome")
+    if isinstance(outcome, dict) and "request_id" in outcome:
+        rec["outcome"] = {**outcome, "request_id": public_id(outcome["request_id"])}
+    return {**rec, "request_id": request_id}
 
 
 @router.delete("/v1/requests/{request_id}")
 async def cancel_request(request_id: str, request: Request) -> JSONResponse:
     """Cancel from any replica: the origin runs the clean-up (it holds the request's task)."""
     r = _replica(request)
+    client_id, request_id = request_id, path_id(request, request_id)
     rec = await r.store.get_request(request_id)
     if rec is None:
-        raise ApiError("not_found", f"unknown request {request_id!r}")
+        raise ApiError("not_found", f"unknown request {client_id!r}")
     if rec.get("state") in TERMINAL:
-        return JSONResponse({"request_id": request_id, "state": rec["state"], "cancelled": False})
+        return JSONResponse({"request_id": client_id, "state": rec["state"], "cancelled": False})
     origin = rec.get("origin", "")
     if origin == r.replica_id:
         r.pipeline.cancel_local(request_id)
     else:
         await r.redis.publish(r.keys.notify(origin), f"cancel:{request_id}")
     return JSONResponse(
-        {"request_id": request_id, "state": rec.get("state"), "cancelled": True}, status_code=202
+        {"request_id": client_id, "state": rec.get("state"), "cancelled": True}, status_code=202
     )

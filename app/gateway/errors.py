@@ -26,9 +26,11 @@ class ErrorKind:
 KINDS: dict[str, ErrorKind] = {
     "invalid_request": ErrorKind(400, "invalid_request_error", False),
     "unauthorized": ErrorKind(401, "authentication_error", False),
+    "forbidden": ErrorKind(403, "permission_error", False),
     "not_found": ErrorKind(404, "invalid_request_error", False),
     "model_not_found": ErrorKind(404, "invalid_request_error", False),
     "duplicate_request": ErrorKind(409, "invalid_request_error", False),
+    "request_too_large": ErrorKind(413, "invalid_request_error", False),
     "rate_limited": ErrorKind(429, "rate_limit_error", True),
     "overloaded": ErrorKind(429, "rate_limit_error", True),
     "no_worker": ErrorKind(503, "service_unavailable", True),

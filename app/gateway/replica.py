@@ -35,6 +35,7 @@ from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
+from app.security.apikeys import Limits, parse_tenant_limits
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
@@ -106,6 +107,7 @@ class Replica:
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
         self.batcher_config = BatcherConfig()
+        self.tenant_limits: dict[str, Limits] = {}  # runtime config `tenant_limits` (app/security)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = make_decode_strategy(settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
@@ -180,6 +182,10 @@ class Replica:
         )
         self.decode_strategy = make_decode_strategy(cfg.get("decode_strategy", self.settings.decode_strategy))
         self.batcher_config = batcher_config_from(cfg)
+        try:
+            self.tenant_limits = parse_tenant_limits(cfg.get("tenant_limits"))
+        except ValueError as exc:  # validated on write; keep the limits we have
+            log.error("runtime config tenant_limits ignored: %s", exc)
         for d in self.dispatchers.values():
             d.wake.set()  # apply the new knobs now, not at the batcher's next timer
         if version:
