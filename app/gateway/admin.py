@@ -278,7 +278,7 @@ async def list_keys(request: Request) -> dict[str, Any]:
 
 @router.delete("/keys/{key_id}")
 async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
-    """Every replica refuses the key within its lookup cache's lifetime (0.5 s)."""
+    """Every replica refuses the key within its lookup cache's lifetime (0.25 s)."""
     gone = await _key_store(request).revoke(key_id=key_id)
     if not gone:
         raise ApiError("not_found", f"unknown key id {key_id!r}")

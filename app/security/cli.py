@@ -77,7 +77,7 @@ def revoke(
     tenant: Annotated[str | None, typer.Option(help="revoke every key of this tenant")] = None,
     cluster: Cluster = "flexlb",
 ) -> None:
-    """Revoke one key by id, or all of a tenant's; every replica refuses it within 0.5 s."""
+    """Revoke one key by id, or all of a tenant's; every replica refuses it within 0.25 s."""
     if (key_id is None) == (tenant is None):
         raise typer.BadParameter("give a key id or --tenant, not both")
     gone = _run(redis_url, cluster, lambda ks: ks.revoke(key_id=key_id, tenant=tenant))

@@ -59,8 +59,10 @@ async def _send_error(
     M.REJECTIONS.labels(code).inc()
 
 
-class _TooLarge(Exception):
-    """Raised from the counted `receive` when the body passes the limit."""
+class _TooLarge(BaseException):
+    """Raised from the counted `receive` when the body passes the limit. A BaseException on
+    purpose: FastAPI turns any Exception raised while it reads the body into a 400 ("error parsing
+    the body"); this must reach `BodyLimit` instead, and nothing between catches BaseException."""
 
 
 class BodyLimit:
