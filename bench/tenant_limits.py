@@ -8,7 +8,7 @@
 2. Protection: two tenants with the same limit (`--limit` req/s); `calm` sends at half of it, `hog`
    at 5x. Calm's latency p50/p99 with hog silent, then with hog flooding (refused 429 at the edge).
 
-    .venv/bin/python -m bench.tenant_limits [--rounds 6] [--per-round 50] [--seconds 15]
+    .venv/bin/python bench/tenant_limits.py [--rounds 6] [--per-round 50] [--seconds 15]
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-
-from bench.gateway_overhead import Gateway, Proc, start_gateway, start_workers, wait_for
+from gateway_overhead import Gateway, Proc, start_gateway, start_workers, wait_for  # bench/ is sys.path[0]
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "x" * 200

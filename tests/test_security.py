@@ -310,11 +310,14 @@ def test_concurrency_slots_are_cluster_wide_and_released(shared_embedded_redis: 
             v = await lim.admit("t", one, "r2", 10, 60_000)
             assert not v.allowed and v.reason == "concurrent" and v.retry_after_ms >= 1000
             assert (await lim.admit("u", one, "r3", 10, 60_000)).allowed  # another tenant
-            await lim.release("t", "r1")
+            lim.release("t", "r1")  # given back by the next admission itself: no command of its own
             assert (await lim.admit("t", one, "r2", 10, 150)).allowed  # a hold with a 150 ms deadline
             await asyncio.sleep(0.3)  # ...that nobody releases (its origin died)
             assert (await lim.admit("t", one, "r4", 10, 60_000)).allowed
             assert await r.zrange(inflight_key(prefix, "t"), 0, -1) == [b"r4"]
+            lim.release("t", "r4")  # no admission follows: the flush gives it back
+            await asyncio.sleep(lim.RELEASE_DELAY_S * 3)
+            assert await r.zcard(inflight_key(prefix, "t")) == 0
         finally:
             await r.aclose()
 

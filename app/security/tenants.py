@@ -71,6 +71,29 @@ class Tenants:
         self.limiter = limiter
         self._limits = limits  # the replica's copy of the runtime config's `tenant_limits`
         self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
+        # tenant → (refused until, monotonic; the x-ratelimit headers of that refusal)
+        self._refused: dict[str, tuple[float, list[tuple[bytes, bytes]]]] = {}
+
+    def refused_locally(self, tenant: str) -> tuple[ApiError, list[tuple[bytes, bytes]]] | None:
+        """Within a refusal window the cluster's bucket told us about, refuse at the door: no body
+        read, no Redis call. Sound because the bucket's refill time is a lower bound (other
+        replicas can only take tokens, never add). A flood over the limit then costs a replica
+        the HTTP parsing only; bench/tenant_limits.py measures what the other tenants see."""
+        window = self._refused.get(tenant)
+        if window is None:
+            return None
+        until, headers = window
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._refused[tenant]
+            return None
+        M.RATE_LIMITED.labels("requests").inc()
+        err = ApiError(
+            "rate_limited",
+            f"tenant {tenant!r} is over its limit of {self.limits_of(tenant).rps:g} requests/s",
+            retry_after_s=max(1.0, left),
+        )
+        return err, headers
 
     def limits_of(self, tenant: str) -> Limits:
         return limits_for(self._limits(), tenant)
@@ -101,6 +124,8 @@ class Tenants:
         if v.holds_slot:
             state["slot"] = (tenant, rid)
         if not v.allowed:
+            if v.reason == "requests":  # no request of this tenant can pass before then: say so here
+                self._refused[tenant] = (time.monotonic() + v.retry_after_ms / 1000, v.headers)
             M.RATE_LIMITED.labels(v.reason or "requests").inc()
             what = {
                 "requests": f"{lim.rps:g} requests/s",
@@ -157,20 +182,22 @@ class TenantGate:
                     msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
             await send(msg)
 
+        refused = self.tenants.refused_locally(rec.tenant)
+        if refused is not None:
+            await _reply(send, refused[0], refused[1])
+            return
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
             slot = state.get("slot")
             if slot is not None:
-                try:
-                    await self.tenants.limiter.release(*slot)
-                except RedisError as exc:  # the hold expires at the request's deadline anyway
-                    log.warning("concurrency slot of %s not released: %s", slot[1], exc)
+                self.tenants.limiter.release(*slot)
 
 
-async def _reply(send: Any, err: ApiError) -> None:
+async def _reply(send: Any, err: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps(err.body()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += extra or []
     if err.retry_after_s is not None:
         headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
     if err.code == "unauthorized":
