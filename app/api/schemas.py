@@ -1,54 +1,212 @@
-"""Request bodies of the client API. Unknown OpenAI fields (temperature, top_p, stop, …) are
-accepted and ignored, as the simulated engines do not sample; wrong types are 400s."""
+"""Request bodies of the client API, written so that the OpenAPI document they generate says exactly
+what the gateway accepts (issue #21): a body that is valid against the published schema is
+accepted, and one that is not is a 400 naming the field and the rule.
+
+Why every body forbids unknown fields: an OpenAI parameter this gateway does not implement
+(`logprobs`, `tools`, `n > 1`, …) must not be silently ignored, so it is either a declared field
+whose schema admits only the "off" value (`logprobs: false`, `n: 1`) or unknown, and both are 400s.
+`UNSUPPORTED` gives each rejected parameter the sentence the 400 carries.
+
+Ranges are OpenAI's (temperature [0, 2], top_p [0, 1], up to 4 stop strings, …). Limits that come
+from the gateway's settings (max tokens, the served model, the vocabulary) are put into the
+published document by `app.api.openapi` from the running configuration.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
+
+#: OpenAI's `seed` is a 64-bit signed integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: A JSON number: strict (no "1.5" strings, no booleans), and ints are numbers too (`temperature: 1`).
+Number = Annotated[float, Strict()]
+
+#: Parameters OpenAI documents that this gateway rejects unless they carry their "off" value, and
+#: why (the text of the 400). Unknown fields get `unknown parameter`.
+UNSUPPORTED: dict[str, str] = {
+    "n": "only n=1 is supported",
+    "best_of": "only best_of=1 is supported",
+    "echo": "echo is not supported",
+    "logprobs": "logprobs are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "frequency_penalty": "frequency_penalty is not supported (only 0)",
+    "presence_penalty": "presence_penalty is not supported (only 0)",
+    "suffix": "suffix (insertion) is not supported",
+    "tools": "tools are not supported",
+    "tool_choice": "tool_choice is not supported (only 'none')",
+    "parallel_tool_calls": "tools are not supported",
+    "functions": "functions are not supported",
+    "function_call": "functions are not supported (only 'none')",
+    "response_format": "response_format is not supported (only {'type': 'text'})",
+}
+
+Temperature = Annotated[
+    Annotated[Number, Field(ge=0, le=2)] | None, Field(None, description="sampling temperature, [0, 2]")
+]
+TopP = Annotated[
+    Annotated[Number, Field(ge=0, le=1)] | None, Field(None, description="nucleus sampling mass, [0, 1]")
+]
+Seed = Annotated[
+    StrictInt | None, Field(None, ge=SEED_MIN, le=SEED_MAX, description="sampling seed (64-bit integer)")
+]
+User = Annotated[
+    StrictStr | None, Field(None, max_length=256, description="end-user id; recorded in the request's log")
+]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=256)]
+Stop = Annotated[
+    StopString | Annotated[list[StopString], Field(max_length=4)] | None,
+    Field(
+        None,
+        description="up to 4 strings; generation ends before the first one (not included in the "
+        "text), finish_reason 'stop'",
+    ),
+]
+Zero = Annotated[
+    Annotated[Number, Field(ge=0, le=0)] | None, Field(None, description="not supported: only 0 (or null)")
+]
+NoLogprobs = Annotated[Literal[False] | None, Field(None, description="not supported: only false (or null)")]
+One = Annotated[Literal[1] | None, Field(None, description="only 1 (or null)")]
+NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+#: Token ids; their range (the vocabulary) is added to the published document from the running
+#: tokenizer, and checked by the route.
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+MaxTokens = Annotated[StrictInt | None, Field(None, ge=1, description="largest number of tokens to generate")]
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
 
 
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
-    prompt: str | list[str] | list[int] = Field(...)
-    max_tokens: StrictInt | None = 16
+class _OpenAIRequest(BaseModel):
+    """What both OpenAI endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: StrictStr
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    stop: Stop = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
+    user: User = None
+    n: One = None
+    frequency_penalty: Zero = None
+    presence_penalty: Zero = None
+    logit_bias: Annotated[dict[str, Number] | None, Field(None, max_length=0, description="only {}")] = None
+
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class CompletionRequest(_OpenAIRequest):
+    prompt: Annotated[
+        NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=1)] | TokenIds,
+        Field(..., description="a non-empty string, a list of one such string, or a list of token ids"),
+    ]
+    max_tokens: MaxTokens = None
+    logprobs: Annotated[Literal[0] | None, Field(None, description="not supported: only 0 (or null)")] = None
+    echo: NoLogprobs = None
+    best_of: One = None
+    suffix: Annotated[None, Field(None, description="not supported: only null")] = None
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    model: str
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: StrictStr
+
+
+Content = StrictStr | list[TextPart]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: Annotated[StrictStr | None, Field(None, max_length=256)] = None
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+    content: Content
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+    content: Content
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Content | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: StrictStr | None = None
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+class ChatRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
-    stream: StrictBool = False
-    stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
+    logprobs: NoLogprobs = None
+    top_logprobs: Annotated[Literal[0] | None, Field(None, description="not supported: only 0 (or null)")] = (
+        None
+    )
+    tools: Annotated[list[dict[str, object]] | None, Field(None, max_length=0, description="only []")] = None
+    tool_choice: Annotated[Literal["none"] | None, Field(None, description="only 'none'")] = None
+    parallel_tool_calls: Annotated[None, Field(None, description="not supported: only null")] = None
+    functions: Annotated[list[dict[str, object]] | None, Field(None, max_length=0, description="only []")] = (
+        None
+    )
+    function_call: Annotated[Literal["none"] | None, Field(None, description="only 'none'")] = None
+    response_format: ResponseFormat | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+
+
+ChatRequest.model_rebuild()
 
 
 class GenerateRequest(BaseModel):
-    """Native API: text or token ids in, per-stage timings and routing decisions out."""
+    """Native API: text or token ids in (exactly one: the published schema says so with `oneOf`),
+    per-stage timings and routing decisions out."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: str | None = None
-    input_ids: list[StrictInt] | None = None
-    model: str | None = None
-    max_new_tokens: StrictInt = 16
+    prompt: NonEmptyStr | None = None
+    input_ids: TokenIds | None = None
+    model: StrictStr | None = None
+    max_new_tokens: StrictInt = Field(16, ge=1)
     stream: StrictBool = False
-    timeout_ms: StrictInt | None = None
+    timeout_ms: StrictInt | None = Field(None, ge=1, le=3_600_000)
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     priority: StrictInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
+
+    @model_validator(mode="after")
+    def _one_input(self) -> GenerateRequest:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        return self

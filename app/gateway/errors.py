@@ -4,6 +4,7 @@ rendered as an OpenAI-style body. Nothing else reaches a client: no tracebacks, 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics as M
+from app.gateway.validation import validation_message
 
 log = logging.getLogger("flexlb.errors")
 
@@ -25,6 +27,8 @@ class ErrorKind:
 
 KINDS: dict[str, ErrorKind] = {
     "invalid_request": ErrorKind(400, "invalid_request_error", False),
+    "unsupported_media_type": ErrorKind(415, "invalid_request_error", False),
+    "method_not_allowed": ErrorKind(405, "invalid_request_error", False),
     "unauthorized": ErrorKind(401, "authentication_error", False),
     "not_found": ErrorKind(404, "invalid_request_error", False),
     "model_not_found": ErrorKind(404, "invalid_request_error", False),
@@ -70,6 +74,38 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def require_json(request: Request) -> None:
+    """Dependency of every endpoint with a JSON body: another declared content type is a 415 (a
+    missing one is read as JSON, as curl without -H sends form data's type only when asked)."""
+    ctype = request.headers.get("content-type")
+    if ctype is None:
+        return
+    media = ctype.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise ApiError(
+            "unsupported_media_type",
+            f"content-type {media or ctype!r} is not supported; send application/json",
+        )
+
+
+#: What Starlette's own HTTP errors become (routing: unknown path, wrong method).
+HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
+
+
+def allowed_methods(request: Request, given: str = "") -> list[str]:
+    """The methods the app serves at this path, for the `Allow` header of a 405: those of the
+    published document's operations on the matching path template (a path may have several
+    routes, e.g. GET and DELETE /v1/requests/{id}), plus what Starlette named (`given`)."""
+    methods = {m.strip().upper() for m in given.split(",") if m.strip()}
+    for template, item in request.app.openapi().get("paths", {}).items():
+        pattern = "^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, request.url.path):
+            methods |= {m.upper() for m in item}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
@@ -77,19 +113,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid"))
-        return ApiError("invalid_request", msg).response()
+        return ApiError("invalid_request", validation_message(exc.errors(), exc.body)).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "invalid_request"}.get(
-            exc.status_code, "internal"
-        )
-        err = ApiError(code, str(exc.detail))
-        resp = err.response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(exc.status_code, "internal")
+        detail = str(exc.detail)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: every method the path has, not just one route's
+            headers["Allow"] = ", ".join(allowed_methods(request, headers.get("Allow", "")))
+            detail = f"method {request.method} not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        elif exc.status_code == 404 and detail == "Not Found":
+            detail = f"no such endpoint: {request.url.path}"
+        resp = ApiError(code, detail).response()
         resp.status_code = exc.status_code
+        resp.headers.update(headers)
         return resp
 
     @app.exception_handler(Exception)
