@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.api.schemas import SEED_MAX
+from app.gateway.admin import DECODE_STRATEGIES, PREFILL_STRATEGIES
 from app.gateway.errors import KINDS
 from app.state.store import PROGRESS, TERMINAL
 
@@ -247,11 +248,45 @@ SUCCESS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("get", "/v1/requests/{request_id}"): ("RequestRecord", None),
     ("get", "/v1/models"): ("ModelList", None),
 }
+#: Request headers the generation endpoints read.
+HEADERS = [
+    {
+        "name": "X-Request-Id",
+        "in": "header",
+        "required": False,
+        "description": "client request id (the native body's request_id wins); a finished id returns "
+        "its stored outcome, a running one is 409",
+        "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:\\-]{1,128}$"},
+    },
+    {
+        "name": "traceparent",
+        "in": "header",
+        "required": False,
+        "description": "W3C trace context; its trace id is logged with the request (ignored if malformed)",
+        "schema": {"type": "string"},
+    },
+]
 SSE_TEXT = (
-    "With `stream: true`: server-sent events, each `data: <JSON>` (the chunk schema in "
-    "`x-sse-data`), ending `data: [DONE]`. A failure after the first event is one more event with "
-    "the Error schema before `[DONE]`."
+    "With `stream: true`: server-sent events, each `data: <JSON>` (its schema is `contentSchema`), "
+    "the last one `data: [DONE]`. A failure after the first event is one more event with the Error "
+    "schema before `[DONE]`."
 )
+
+
+def _sse_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event (before OpenAPI 3.2, a stream's `schema` describes each event)."""
+    data = {
+        "description": "a JSON chunk, or [DONE] at the end",
+        "anyOf": [
+            {"const": "[DONE]"},
+            {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": {"oneOf": [_ref(chunk), _ref("Error")]},
+            },
+        ],
+    }
+    return {"type": "object", "description": SSE_TEXT, "required": ["data"], "properties": {"data": data}}
 
 
 def _error_response(status: int) -> dict[str, Any]:
@@ -278,8 +313,8 @@ def _request_rules(doc: dict[str, Any], model: str, max_new: int, vocab: int) ->
     prompt[2]["items"]["maximum"] = vocab - 1
     gen = schemas["GenerateRequest"]
     gen["properties"]["model"]["anyOf"][0]["enum"] = [model]
-    gen["properties"]["max_new_tokens"]["maximum"] = max_new
-    gen["properties"]["input_ids"]["anyOf"][0]["items"]["maximum"] = vocab - 1
+    gen["properties"]["max_new_tokens"]["anyOf"][0]["maximum"] = max_new
+    gen["properties"]["input_ids"]["items"]["maximum"] = vocab - 1
     # Exactly one of prompt and input_ids, neither of them null.
     gen["oneOf"] = [
         {
@@ -293,8 +328,10 @@ def _request_rules(doc: dict[str, Any], model: str, max_new: int, vocab: int) ->
             "not": {"required": ["prompt"]},
         },
     ]
-    for field in ("prompt", "input_ids"):
-        gen["properties"][field] = gen["properties"][field]["anyOf"][0]
+    patch = schemas["ConfigPatch"]["properties"]
+    patch["prefill_strategy"]["enum"] = sorted(PREFILL_STRATEGIES)
+    patch["decode_strategy"]["enum"] = sorted(DECODE_STRATEGIES)
+    schemas["CacheMatch"]["properties"]["input_ids"]["items"]["maximum"] = vocab - 1
 
 
 def build_openapi(app: FastAPI, model: str, max_new_tokens: int, vocab: int) -> dict[str, Any]:
@@ -328,12 +365,11 @@ def build_openapi(app: FastAPI, model: str, max_new_tokens: int, vocab: int) -> 
                 body, chunk = SUCCESS[(method, path)]
                 content: dict[str, Any] = {"application/json": {"schema": _ref(body)}}
                 if chunk:
-                    content["text/event-stream"] = {
-                        "schema": {"type": "string", "description": SSE_TEXT},
-                        "x-sse-data": {"oneOf": [_ref(chunk), _ref("Error")]},
-                    }
+                    content["text/event-stream"] = {"schema": _sse_event(chunk)}
                 responses[ok]["content"] = content
     _special_cases(doc)
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/generate"):
+        doc["paths"][path]["post"].setdefault("parameters", []).extend(HEADERS)
     return doc
 
 

@@ -37,10 +37,12 @@ def _replica(request: Request) -> Any:
 def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
     """(request id, trace id, whether the id is freshly generated): a client id from the body or
     X-Request-Id, else a UUID; the trace from traceparent."""
-    client = body_id or request.headers.get("x-request-id")
-    rid = client or uuid.uuid4().hex
-    if not REQUEST_ID.match(rid):
-        raise ApiError("invalid_request", "request id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+    header = request.headers.get("x-request-id")
+    for where, value in (("X-Request-Id", header), ("request_id", body_id)):
+        if value is not None and not REQUEST_ID.match(value):
+            raise ApiError("invalid_request", f"{where}: must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+    client = body_id if body_id is not None else header
+    rid = uuid.uuid4().hex if client is None else client
     tp = request.headers.get("traceparent", "")
     parts = tp.split("-")
     trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
@@ -68,6 +70,11 @@ def _check_limits(r: Any, n_in: int, max_new: int, field: str, prompt_field: str
             f"{field}: prompt ({n_in} tokens) + {field} ({max_new}) exceeds the context "
             f"({r.settings.max_context_tokens} tokens)",
         )
+
+
+def _default_max(r: Any) -> int:
+    """OpenAI's default of 16 new tokens, within this gateway's limit."""
+    return min(16, int(r.settings.max_new_tokens_limit))
 
 
 def _check_ids(r: Any, ids: list[int], field: str) -> None:
@@ -269,7 +276,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     else:  # the schema admits exactly one string here
         ids = r.tokenizer.encode(str(body.prompt[0]))
     stops = body.stops()
-    max_new = body.max_tokens if body.max_tokens is not None else 16
+    max_new = body.max_tokens if body.max_tokens is not None else _default_max(r)
     req = await _prepare(
         request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
@@ -385,6 +392,8 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         )
     except ChatTemplateError as exc:
         raise ApiError("invalid_request", str(exc)) from None
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        _check_limits(r, 1, body.max_tokens, "max_tokens", "messages")  # the one not used: in range too
     field, max_new = "max_completion_tokens", body.max_completion_tokens
     if max_new is None:
         field, max_new = "max_tokens", body.max_tokens
@@ -393,7 +402,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         request,
         r,
         r.tokenizer.encode(text),
-        max_new if max_new is not None else 16,
+        max_new if max_new is not None else _default_max(r),
         None,
         None,
         "chat",
@@ -466,7 +475,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         request,
         r,
         ids,
-        body.max_new_tokens,
+        body.max_new_tokens if body.max_new_tokens is not None else _default_max(r),
         body.timeout_ms,
         body.request_id,
         "generate",

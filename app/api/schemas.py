@@ -14,10 +14,12 @@ published document by `app.api.openapi` from the running configuration.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -27,8 +29,27 @@ from pydantic import (
     model_validator,
 )
 
-#: OpenAI's `seed` is a 64-bit signed integer.
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer; so does this API (strings and booleans stay errors)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _false(value: bool) -> bool:
+    if value:
+        raise ValueError("must be false")
+    return value
+
+
+#: An integer as JSON Schema defines it: 5 and 5.0, not "5", not true.
+INTEGRAL = BeforeValidator(_integral)
+JsonInt = Annotated[StrictInt, INTEGRAL]
+
+#: `seed`: an integer JSON carries exactly (I-JSON, RFC 7493: |n| < 2**53). Beyond that a JSON
+#: parser working in doubles (most validators, JavaScript) cannot tell a seed from its neighbours.
+SEED_MIN, SEED_MAX = -(2**53 - 1), 2**53 - 1
 #: A JSON number: strict (no "1.5" strings, no booleans), and ints are numbers too (`temperature: 1`).
 Number = Annotated[float, Strict()]
 
@@ -59,10 +80,12 @@ TopP = Annotated[
     Annotated[Number, Field(ge=0, le=1)] | None, Field(None, description="nucleus sampling mass, [0, 1]")
 ]
 Seed = Annotated[
-    StrictInt | None, Field(None, ge=SEED_MIN, le=SEED_MAX, description="sampling seed (64-bit integer)")
+    Annotated[StrictInt, Field(ge=SEED_MIN, le=SEED_MAX), INTEGRAL] | None,
+    Field(None, description="sampling seed, |seed| < 2**53"),
 ]
 User = Annotated[
-    StrictStr | None, Field(None, max_length=256, description="end-user id; recorded in the request's log")
+    Annotated[StrictStr, Field(max_length=256)] | None,
+    Field(None, description="end-user id; recorded in the request's log"),
 ]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=256)]
 Stop = Annotated[
@@ -76,13 +99,25 @@ Stop = Annotated[
 Zero = Annotated[
     Annotated[Number, Field(ge=0, le=0)] | None, Field(None, description="not supported: only 0 (or null)")
 ]
-NoLogprobs = Annotated[Literal[False] | None, Field(None, description="not supported: only false (or null)")]
-One = Annotated[Literal[1] | None, Field(None, description="only 1 (or null)")]
+NoLogprobs = Annotated[
+    Annotated[StrictBool, AfterValidator(_false), Field(json_schema_extra={"const": False})] | None,
+    Field(None, description="not supported: only false (or null)"),
+]
+One = Annotated[
+    Annotated[StrictInt, Field(ge=1, le=1), INTEGRAL] | None, Field(None, description="only 1 (or null)")
+]
+ZeroInt = Annotated[
+    Annotated[StrictInt, Field(ge=0, le=0), INTEGRAL] | None,
+    Field(None, description="not supported: only 0 (or null)"),
+]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
 #: Token ids; their range (the vocabulary) is added to the published document from the running
 #: tokenizer, and checked by the route.
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
-MaxTokens = Annotated[StrictInt | None, Field(None, ge=1, description="largest number of tokens to generate")]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0), INTEGRAL]], Field(min_length=1)]
+MaxTokens = Annotated[
+    Annotated[StrictInt, Field(ge=1), INTEGRAL] | None,
+    Field(None, description="largest number of tokens to generate"),
+]
 
 
 class StreamOptions(BaseModel):
@@ -119,7 +154,7 @@ class CompletionRequest(_OpenAIRequest):
         Field(..., description="a non-empty string, a list of one such string, or a list of token ids"),
     ]
     max_tokens: MaxTokens = None
-    logprobs: Annotated[Literal[0] | None, Field(None, description="not supported: only 0 (or null)")] = None
+    logprobs: ZeroInt = None
     echo: NoLogprobs = None
     best_of: One = None
     suffix: Annotated[None, Field(None, description="not supported: only null")] = None
@@ -136,7 +171,7 @@ Content = StrictStr | list[TextPart]
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: Annotated[StrictStr | None, Field(None, max_length=256)] = None
+    name: Annotated[Annotated[StrictStr, Field(max_length=256)] | None, Field(None)] = None
 
 
 class SystemMessage(_Message):
@@ -170,9 +205,7 @@ class ChatRequest(_OpenAIRequest):
     max_tokens: MaxTokens = None
     max_completion_tokens: MaxTokens = None
     logprobs: NoLogprobs = None
-    top_logprobs: Annotated[Literal[0] | None, Field(None, description="not supported: only 0 (or null)")] = (
-        None
-    )
+    top_logprobs: ZeroInt = None
     tools: Annotated[list[dict[str, object]] | None, Field(None, max_length=0, description="only []")] = None
     tool_choice: Annotated[Literal["none"] | None, Field(None, description="only 'none'")] = None
     parallel_tool_calls: Annotated[None, Field(None, description="not supported: only null")] = None
@@ -196,14 +229,17 @@ class GenerateRequest(BaseModel):
     per-stage timings and routing decisions out."""
 
     model_config = ConfigDict(extra="forbid")
-    prompt: NonEmptyStr | None = None
-    input_ids: TokenIds | None = None
+    # Absent, not null: the published schema's oneOf requires exactly one of them to be present.
+    prompt: NonEmptyStr = Field(None)
+    input_ids: TokenIds = Field(None)
     model: StrictStr | None = None
-    max_new_tokens: StrictInt = Field(16, ge=1)
+    max_new_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] | None = Field(
+        None, description="default 16 (or the limit when lower)"
+    )
     stream: StrictBool = False
-    timeout_ms: StrictInt | None = Field(None, ge=1, le=3_600_000)
+    timeout_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
-    priority: StrictInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
+    priority: JsonInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:

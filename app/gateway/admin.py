@@ -6,12 +6,13 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app import metrics as M
+from app.api.schemas import INTEGRAL
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
 from app.gateway.errors import ApiError, require_json
@@ -43,24 +44,40 @@ def require_admin(request: Request) -> None:
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
+#: One `role@host:port` (port 1-65535), as the schema publishes it and `parse_worker` reads it.
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_SPEC = rf"(prefill|decode)@[A-Za-z0-9._\-]{{1,253}}:{_PORT}"
+WORKERS_PATTERN = rf"^{_SPEC}(,{_SPEC})*$"
+
+
 class AddWorkers(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    workers: str = Field(..., description="comma-separated role@host:port")
+    workers: str = Field(
+        ..., pattern=WORKERS_PATTERN, description="comma-separated role@host:port, role prefill or decode"
+    )
 
 
 class ConfigPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prefill_strategy: str | None = None
-    decode_strategy: str | None = None
-    prefill_time_formula: str | None = None
-    schedule_mode: str | None = None
-    batch_algorithm: str | None = None
-    batch_max_size: int | None = None
-    batch_wait_ms: float | None = None
-    max_inflight_batches: int | None = None
-    predict_threshold_ms: float | None = None
-    max_batch_tokens: int | None = None
-    slo_ttft_ms: float | None = None
+    """Runtime config: every field optional, none null, at least one given. The ranges are the
+    batcher's (BatcherConfig.validate), so a schema-valid patch is an applied one."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+    # The published document lists the names (PREFILL_STRATEGIES, DECODE_STRATEGIES) as enums.
+    prefill_strategy: str = Field(None)
+    decode_strategy: str = Field(None)
+    prefill_time_formula: str = Field(
+        None,
+        json_schema_extra={"format": "flexlb-formula"},
+        description="prefill time in ms, the formula language of app/scheduling/formula.py",
+    )
+    schedule_mode: Literal["batch", "direct"] = Field(None)
+    batch_algorithm: Literal["fixed_window", "slo"] = Field(None)
+    batch_max_size: Annotated[StrictInt, Field(ge=1, le=1024), INTEGRAL] = Field(None)
+    batch_wait_ms: float = Field(None, ge=0, le=60_000, strict=True)
+    max_inflight_batches: Annotated[StrictInt, Field(ge=1, le=64), INTEGRAL] = Field(None)
+    predict_threshold_ms: float = Field(None, ge=0, strict=True)
+    max_batch_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] = Field(None)
+    slo_ttft_ms: float = Field(None, gt=0, strict=True)
 
 
 @router.get("/workers")
@@ -122,7 +139,7 @@ async def leases(request: Request) -> dict[str, Any]:
 
 class CacheMatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input_ids: list[int] = Field(..., min_length=1)
+    input_ids: list[Annotated[StrictInt, Field(ge=0), INTEGRAL]] = Field(..., min_length=1)
 
 
 @router.get("/cache")
@@ -140,6 +157,10 @@ async def cache_view(request: Request) -> dict[str, Any]:
 async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
     """Leading blocks of a prompt each prefill worker holds, as this replica's mirror sees them."""
     r = _replica(request)
+    vocab = r.tokenizer.vocab_size
+    bad = next((i for i, t in enumerate(body.input_ids) if t >= vocab), None)
+    if bad is not None:
+        raise ApiError("invalid_request", f"input_ids[{bad}]: token id must be in [0, {vocab})")
     prefill = r.prefill_ids()
     block = int(r.snapshots.get(prefill[0], {}).get("block_size", 64) if prefill else 64)
     keys = block_keys(body.input_ids, block, model=r.settings.model, tokenizer=r.tokenizer.name)

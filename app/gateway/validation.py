@@ -43,7 +43,14 @@ RULES = {
     "none_required": "must be null",
 }
 #: Errors that, on a parameter in UNSUPPORTED, mean "a value other than the 'off' one".
-_OFF_VALUE = {"literal_error", "less_than_equal", "greater_than_equal", "too_long", "none_required"}
+_OFF_VALUE = {
+    "value_error",
+    "literal_error",
+    "less_than_equal",
+    "greater_than_equal",
+    "too_long",
+    "none_required",
+}
 #: Tags of the discriminated message union: pydantic puts them into the location.
 _TAGS = {"system", "user", "assistant", "tool"}
 
