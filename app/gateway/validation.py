@@ -82,7 +82,6 @@ def field_path(loc: Sequence[Any]) -> tuple[str, bool]:
 
 def _rule(err: dict[str, Any], field: str) -> str:
     kind = err.get("type", "")
-    name = field.rsplit(".", 1)[-1].split("[", 1)[0]
     if kind == "missing":
         return "field required"
     if kind == "extra_forbidden":
@@ -92,8 +91,6 @@ def _rule(err: dict[str, Any], field: str) -> str:
         return f"role must be one of {ctx.get('expected_tags', '')}; got {ctx.get('tag', '')!r}"
     if kind == "union_tag_not_found":
         return "role: field required"
-    if name in UNSUPPORTED and kind in _OFF_VALUE:
-        return f"{UNSUPPORTED[name]} (got {str(err.get('input'))[:80]})"
     ctx = err.get("ctx") or {}
     if kind in RULES:
         try:
@@ -133,4 +130,11 @@ def validation_message(errors: Sequence[dict[str, Any]], body: Any = None) -> st
     if in_union:
         name = field.rsplit(".", 1)[-1].split("[", 1)[0]
         return f"{field}: {UNION_RULES.get(name, 'has the wrong type')}"
+    top = field.split(".", 1)[0].split("[", 1)[0]
+    if top in UNSUPPORTED and err.get("type") in _OFF_VALUE | {"string_type", "literal_error"}:
+        return f"{top}: {UNSUPPORTED[top]} (got {str(_top_input(body, top))[:80]})"
     return f"{field}: {_rule(err, field)}"
+
+
+def _top_input(body: Any, top: str) -> Any:
+    return body.get(top) if isinstance(body, dict) else "?"
