@@ -72,12 +72,6 @@ def _schemathesis(url: str, seed: int, include: bool, report: Path) -> tuple[int
     return out.returncode, out.stdout + out.stderr
 
 
-def _cases(report: Path) -> int:
-    """Test cases run, from the JUnit report (one testcase per operation, with a count)."""
-    text = report.read_text()
-    return sum(int(n) for n in re.findall(r'tests="(\d+)"', text)[:1]) if text else 0
-
-
 def test_schemathesis_finds_no_failures_and_no_server_errors(
     worker_pool, shared_embedded_redis, tmp_path: Path, workers_reset
 ) -> None:

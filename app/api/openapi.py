@@ -161,17 +161,13 @@ SCHEMAS: dict[str, Any] = {
         required=["id", "object", "created", "model", "choices"],
     ),
     "Generation": GENERATE,
-    "GenerationChunk": {
-        "oneOf": [
-            _obj({"request_id": _STR, "token_ids": {"type": "array", "items": _INT}, "text": _STR}),
-            {
-                "allOf": [
-                    _ref("Generation"),
-                    _obj({"text_tail": _STR, "done": {"const": True}}),
-                ]
-            },
-        ]
-    },
+    "GenerationTokens": _obj(
+        {"request_id": _STR, "token_ids": {"type": "array", "items": _INT}, "text": _STR}
+    ),
+    "GenerationDone": _obj(
+        {**GENERATE["properties"], "text_tail": _STR, "done": {"type": "boolean", "enum": [True]}}
+    ),
+    "GenerationChunk": {"oneOf": [_ref("GenerationTokens"), _ref("GenerationDone")]},
     "RequestRecord": _obj(
         {
             "request_id": _STR,
@@ -316,18 +312,8 @@ def _request_rules(doc: dict[str, Any], model: str, max_new: int, vocab: int) ->
     gen["properties"]["max_new_tokens"]["anyOf"][0]["maximum"] = max_new
     gen["properties"]["input_ids"]["items"]["maximum"] = vocab - 1
     # Exactly one of prompt and input_ids, neither of them null.
-    gen["oneOf"] = [
-        {
-            "required": ["prompt"],
-            "properties": {"prompt": {"type": "string"}},
-            "not": {"required": ["input_ids"]},
-        },
-        {
-            "required": ["input_ids"],
-            "properties": {"input_ids": {"type": "array"}},
-            "not": {"required": ["prompt"]},
-        },
-    ]
+    # Exactly one of prompt and input_ids: with both, both branches match, which oneOf refuses.
+    gen["oneOf"] = [{"required": ["prompt"]}, {"required": ["input_ids"]}]
     patch = schemas["ConfigPatch"]["properties"]
     patch["prefill_strategy"]["enum"] = sorted(PREFILL_STRATEGIES)
     patch["decode_strategy"]["enum"] = sorted(DECODE_STRATEGIES)
