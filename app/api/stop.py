@@ -37,11 +37,13 @@ class StopText:
         if not self.stops:
             return text
         buf = self.hold + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # The stop string that completes first wins (generation ends there; as for one token at a
+        # time, whatever the chunking), and of those completing together the one starting first.
+        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
             self.hold = ""
-            return buf[: min(hits)]
+            return buf[: min(hits)[1]]
         keep = 0  # the longest tail of buf that is the start of some stop string
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), keep, -1):
@@ -58,7 +60,7 @@ class StopText:
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:
-    """The whole text up to (not including) its first stop string."""
+    """The whole text up to (not including) the stop string that completes first."""
     f = StopText(stops)
     return f.feed(text) + f.flush()
 

@@ -122,7 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:  # RFC 9110: every method the path has, not just one route's
             headers["Allow"] = ", ".join(allowed_methods(request, headers.get("Allow", "")))
-            detail = f"method {request.method} not allowed on {request.url.path}; allowed: {headers['Allow']}"
+            method = request.method if request.method != "OTHER" else "this method"  # see _BoundedMethod
+            detail = f"{method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
         elif exc.status_code == 404 and detail == "Not Found":
             detail = f"no such endpoint: {request.url.path}"
         resp = ApiError(code, detail).response()
