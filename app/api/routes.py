@@ -52,7 +52,7 @@ def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
 def _check_model(r: Any, model: str | None) -> str:
     served = r.settings.model
     if model is not None and model != served:
-        raise ApiError("model_not_found", f"model {model!r} is not served here (serving {served!r})")
+        raise ApiError("model_not_found", f"model: {model!r} is not served here (serving {served!r})")
     return served
 
 

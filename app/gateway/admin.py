@@ -96,9 +96,9 @@ async def add_workers(body: AddWorkers, request: Request) -> dict[str, Any]:
     try:
         specs = parse_workers(body.workers)
     except BadWorkerSpec as exc:
-        raise ApiError("invalid_request", str(exc)) from exc
+        raise ApiError("invalid_request", f"workers: {exc}") from exc
     if not specs:
-        raise ApiError("invalid_request", "no workers given")
+        raise ApiError("invalid_request", "workers: no workers given")
     r = _replica(request)
     added = await r.registry.add(specs)
     await r.refresh_registry()
@@ -207,11 +207,11 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     """Validate everything, then apply all of it in one transaction (or nothing)."""
     patch = body.model_dump(exclude_none=True)
     if not patch:
-        raise ApiError("invalid_request", "nothing to change")
+        raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
     if "prefill_strategy" in patch and patch["prefill_strategy"] not in PREFILL_STRATEGIES:
-        raise ApiError("invalid_request", f"prefill_strategy must be one of {sorted(PREFILL_STRATEGIES)}")
+        raise ApiError("invalid_request", f"prefill_strategy: must be one of {sorted(PREFILL_STRATEGIES)}")
     if "decode_strategy" in patch and patch["decode_strategy"] not in DECODE_STRATEGIES:
-        raise ApiError("invalid_request", f"decode_strategy must be one of {sorted(DECODE_STRATEGIES)}")
+        raise ApiError("invalid_request", f"decode_strategy: must be one of {sorted(DECODE_STRATEGIES)}")
     if "prefill_time_formula" in patch:
         try:
             compile_formula(patch["prefill_time_formula"])
