@@ -46,7 +46,8 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 #: One `role@host:port` (port 1-65535), as the schema publishes it and `parse_worker` reads it.
 _PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
-_SPEC = rf"(prefill|decode)@[A-Za-z0-9._\-]{{1,253}}:{_PORT}"
+_HOST = r"([A-Za-z0-9._\-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])"  # a name, IPv4, or [IPv6]
+_SPEC = rf"(prefill|decode)@{_HOST}:{_PORT}"
 WORKERS_PATTERN = rf"^{_SPEC}(,{_SPEC})*$"
 
 
