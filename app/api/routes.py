@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
 from app.api.stop import StopText, TokenStop, cut_at_stop
-from app.gateway.errors import ApiError, require_json
+from app.gateway.errors import ApiError, check_token_ids, require_json
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
@@ -78,10 +78,7 @@ def _default_max(r: Any) -> int:
 
 
 def _check_ids(r: Any, ids: list[int], field: str) -> None:
-    vocab = r.tokenizer.vocab_size
-    bad = next((i for i, t in enumerate(ids) if t < 0 or t >= vocab), None)
-    if bad is not None:
-        raise ApiError("invalid_request", f"{field}[{bad}]: token id must be in [0, {vocab}); got {ids[bad]}")
+    check_token_ids(ids, int(r.tokenizer.vocab_size), field)
 
 
 def _timeout(r: Any, timeout_ms: int | None) -> int:

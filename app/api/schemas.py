@@ -26,6 +26,10 @@ from pydantic import (
     StrictBool,
     StrictInt,
     StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WithJsonSchema,
+    WrapValidator,
     model_validator,
 )
 
@@ -111,9 +115,28 @@ ZeroInt = Annotated[
     Field(None, description="not supported: only 0 (or null)"),
 ]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+
+
 #: Token ids; their range (the vocabulary) is added to the published document from the running
 #: tokenizer, and checked by the route.
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0), INTEGRAL]], Field(min_length=1)]
+def _integral_list(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """`_integral` for a list of ids, at the cost of one Python call per list, not per id: a prompt
+    of 8,000 ids validates in ~0.1 ms (per-id validators and bounds cost ~0.5 ms, on the hot path)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        if not isinstance(value, list):
+            raise
+        return handler([_integral(x) for x in value])
+
+
+#: Token ids (non-negative; the vocabulary's bound is added to the published document and checked
+#: by the route with one min/max, as is the lower bound: cheaper than a constraint per id).
+TokenIds = Annotated[
+    list[Annotated[StrictInt, WithJsonSchema({"type": "integer", "minimum": 0})]],
+    Field(min_length=1),
+    WrapValidator(_integral_list),
+]
 MaxTokens = Annotated[
     Annotated[StrictInt, Field(ge=1), INTEGRAL] | None,
     Field(None, description="largest number of tokens to generate"),

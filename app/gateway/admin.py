@@ -12,10 +12,10 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app import metrics as M
-from app.api.schemas import INTEGRAL
+from app.api.schemas import INTEGRAL, TokenIds
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
-from app.gateway.errors import ApiError, require_json
+from app.gateway.errors import ApiError, check_token_ids, require_json
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
@@ -140,7 +140,7 @@ async def leases(request: Request) -> dict[str, Any]:
 
 class CacheMatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input_ids: list[Annotated[StrictInt, Field(ge=0), INTEGRAL]] = Field(..., min_length=1)
+    input_ids: TokenIds
 
 
 @router.get("/cache")
@@ -159,9 +159,7 @@ async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
     """Leading blocks of a prompt each prefill worker holds, as this replica's mirror sees them."""
     r = _replica(request)
     vocab = r.tokenizer.vocab_size
-    bad = next((i for i, t in enumerate(body.input_ids) if t >= vocab), None)
-    if bad is not None:
-        raise ApiError("invalid_request", f"input_ids[{bad}]: token id must be in [0, {vocab})")
+    check_token_ids(body.input_ids, vocab, "input_ids")
     prefill = r.prefill_ids()
     block = int(r.snapshots.get(prefill[0], {}).get("block_size", 64) if prefill else 64)
     keys = block_keys(body.input_ids, block, model=r.settings.model, tokenizer=r.tokenizer.name)

@@ -74,6 +74,13 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def check_token_ids(ids: list[int], vocab: int, field: str) -> None:
+    """Every id in [0, vocab): one C-speed min/max, the index found only when one is out."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(i for i, t in enumerate(ids) if t < 0 or t >= vocab)
+        raise ApiError("invalid_request", f"{field}[{bad}]: token id must be in [0, {vocab}); got {ids[bad]}")
+
+
 def require_json(request: Request) -> None:
     """Dependency of every endpoint with a JSON body: another declared content type is a 415 (a
     missing one is read as JSON, as curl without -H sends form data's type only when asked)."""
