@@ -13,12 +13,12 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
 from app.api.stop import StopText, TokenStop, cut_at_stop
-from app.gateway.errors import ApiError, check_token_ids, require_json
+from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
@@ -261,7 +261,7 @@ async def _prepare(
 
 
 # ---- OpenAI completions ------------------------------------------------------------------------
-@router.post("/v1/completions", response_model=None, dependencies=[Depends(require_json)])
+@router.post("/v1/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     r = _replica(request)
     model = _check_model(r, body.model)
@@ -379,7 +379,7 @@ async def _stream_response(request: Request, gen: AsyncIterator[bytes]) -> Strea
 
 
 # ---- OpenAI chat -------------------------------------------------------------------------------
-@router.post("/v1/chat/completions", response_model=None, dependencies=[Depends(require_json)])
+@router.post("/v1/chat/completions", response_model=None)
 async def chat(body: ChatRequest, request: Request) -> Any:
     r = _replica(request)
     model = _check_model(r, body.model)
@@ -457,7 +457,7 @@ def _native(r: Any, o: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/generate", response_model=None, dependencies=[Depends(require_json)])
+@router.post("/v1/generate", response_model=None)
 async def generate(body: GenerateRequest, request: Request) -> Any:
     r = _replica(request)
     _check_model(r, body.model)

@@ -15,7 +15,7 @@ from app import metrics as M
 from app.api.schemas import INTEGRAL, TokenIds
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
-from app.gateway.errors import ApiError, check_token_ids, require_json
+from app.gateway.errors import ApiError, check_token_ids
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
@@ -92,7 +92,7 @@ async def list_workers(request: Request) -> dict[str, Any]:
     return {"workers": out}
 
 
-@router.post("/workers", dependencies=[Depends(require_json)])
+@router.post("/workers")
 async def add_workers(body: AddWorkers, request: Request) -> dict[str, Any]:
     try:
         specs = parse_workers(body.workers)
@@ -154,7 +154,7 @@ async def cache_view(request: Request) -> dict[str, Any]:
     return {"replica": r.replica_id, "workers": out}
 
 
-@router.post("/cache/match", dependencies=[Depends(require_json)])
+@router.post("/cache/match")
 async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
     """Leading blocks of a prompt each prefill worker holds, as this replica's mirror sees them."""
     r = _replica(request)
@@ -201,7 +201,7 @@ async def get_config(request: Request) -> dict[str, Any]:
     return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 
 
-@router.put("/config", dependencies=[Depends(require_json)])
+@router.put("/config")
 async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     """Validate everything, then apply all of it in one transaction (or nothing)."""
     patch = body.model_dump(exclude_none=True)
