@@ -68,7 +68,8 @@ def _schemathesis(url: str, seed: int, include: bool, report: Path) -> tuple[int
         str(report),
     ]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    # cwd: schemathesis keeps a crash cache (.schemathesis/) in its working directory
+    out = subprocess.run(cmd, cwd=report.parent, env=env, capture_output=True, text=True, timeout=600)
     return out.returncode, out.stdout + out.stderr
 
 
