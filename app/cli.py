@@ -38,6 +38,7 @@ class _JsonFormatter(logging.Formatter):
             "batch_size",
             "reason",
             "code",
+            "user",  # OpenAI `user` of the request
         ):
             v = getattr(record, k, None)
             if v is not None:

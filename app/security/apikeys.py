@@ -6,7 +6,7 @@ valid. The id (8 hex, also inside the key) names a key in listings and revocatio
 revealing it. The key is shown once, by whoever created it.
 
 Per-tenant limits live in the runtime config (`tenant_limits`, JSON `{tenant: {rps, tpm,
-max_concurrent, max_priority}}`, `"*"` the default for tenants without an entry), so they apply live
+max_concurrent, disabled}}`, `"*"` the default for tenants without an entry), so they apply live
 on every replica like the other runtime knobs; `merge_limits` changes one tenant atomically.
 """
 
@@ -50,13 +50,12 @@ def looks_like_key(key: str) -> bool:
 @dataclass(frozen=True)
 class Limits:
     """0 = unlimited. `rps`: requests per second (a bucket of one second's worth); `tpm`: prompt +
-    max output tokens per minute; `max_concurrent`: requests in flight cluster-wide;
-    `max_priority`: the highest `x-flexlb-priority` class the tenant may ask for."""
+    max output tokens per minute; `max_concurrent`: requests in flight cluster-wide; `disabled`:
+    every request of the tenant is refused (403)."""
 
     rps: float = 0.0
     tpm: int = 0
     max_concurrent: int = 0
-    max_priority: str = "default"
     disabled: bool = False
 
     @property
@@ -64,7 +63,7 @@ class Limits:
         return self.rps > 0 or self.tpm > 0 or self.max_concurrent > 0
 
 
-_LIMIT_FIELDS = {"rps": float, "tpm": int, "max_concurrent": int, "max_priority": str, "disabled": bool}
+_LIMIT_FIELDS = {"rps": float, "tpm": int, "max_concurrent": int, "disabled": bool}
 
 
 def parse_limits(raw: dict[str, Any]) -> Limits:
