@@ -10,16 +10,17 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
-from app.security.limits import REQUEST_ID_RULE, trace_id_from, valid_request_id
+from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, trace_id_from, valid_request_id
 from app.security.tenants import path_id, public_id, scoped_id, tenant_of
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
@@ -513,8 +514,13 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
 
 # ---- request status and cancel -----------------------------------------------------------------
+#: A request id in a path: published in the OpenAPI document and checked (braces would change
+#: the Redis hash tag of the key it names).
+RequestIdPath = Annotated[str, PathParam(pattern=REQUEST_ID.pattern)]
+
+
 @router.get("/v1/requests/{request_id}")
-async def get_request(request_id: str, request: Request) -> dict[str, Any]:
+async def get_request(request_id: RequestIdPath, request: Request) -> dict[str, Any]:
     r = _replica(request)
     rec = await r.store.get_request(path_id(request, request_id))  # another tenant's id: not found
     if rec is None:
@@ -547,7 +553,7 @@ def typed_record(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.delete("/v1/requests/{request_id}")
-async def cancel_request(request_id: str, request: Request) -> JSONResponse:
+async def cancel_request(request_id: RequestIdPath, request: Request) -> JSONResponse:
     """Cancel from any replica: the origin runs the clean-up (it holds the request's task)."""
     r = _replica(request)
     client_id, request_id = request_id, path_id(request, request_id)

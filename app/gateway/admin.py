@@ -9,7 +9,8 @@ from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi import Path as PathParam
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from redis.exceptions import RedisError
 
 from app import metrics as M
@@ -255,20 +256,28 @@ def _s(x: bytes | str) -> str:
 
 
 # ---- API keys and tenant limits (app/security) ------------------------------------------------
+#: A tenant name in a path, or `*` (the default of tenants without an entry).
+TenantPath = Annotated[str, PathParam(pattern=rf"^(\*|{TENANT.pattern.strip('^$')})$")]
+#: Limits as the published schema has them: never null, never a boolean or a string.
+_Count = Annotated[StrictInt, Field(ge=0), INTEGRAL]
+
+
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
     tenant: str = Field(..., pattern=TENANT.pattern, description="tenant the key belongs to")
-    rps: float | None = Field(None, ge=0)
-    tpm: int | None = Field(None, ge=0)
-    max_concurrent: int | None = Field(None, ge=0)
+    rps: float = Field(None, ge=0, strict=True, description="tenant limit: requests per second (0 = none)")
+    tpm: _Count = Field(None, description="tenant limit: prompt + output tokens per minute (0 = none)")
+    max_concurrent: _Count = Field(None, description="tenant limit: requests in flight (0 = none)")
 
 
 class TenantLimitsPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    rps: float | None = Field(None, ge=0)
-    tpm: int | None = Field(None, ge=0)
-    max_concurrent: int | None = Field(None, ge=0)
-    disabled: bool | None = None
+    """Every field optional, none null, at least one given."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+    rps: float = Field(None, ge=0, strict=True)
+    tpm: _Count = Field(None)
+    max_concurrent: _Count = Field(None)
+    disabled: StrictBool = Field(None)
 
 
 def _key_store(request: Request) -> KeyStore:
@@ -305,7 +314,7 @@ async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.put("/tenants/{tenant}/limits")
-async def put_tenant_limits(tenant: str, body: TenantLimitsPatch, request: Request) -> dict[str, Any]:
+async def put_tenant_limits(tenant: TenantPath, body: TenantLimitsPatch, request: Request) -> dict[str, Any]:
     """Change some of a tenant's limits (`*`: the default of tenants without an entry); applied
     live on every replica through the runtime config."""
     patch = body.model_dump(exclude_none=True)
