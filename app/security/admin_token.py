@@ -45,8 +45,8 @@ class AdminAuth:
         """Agree with the cluster on the token (see the module doc). Safe to repeat; raises on a
         Redis error (the caller retries at the next admin call)."""
         if self.configured:
-            stored = await redis.set(self.key, self.digest, nx=True, get=True)
-            if stored is not None and _s(stored) != self.digest:
+            stored = await self._offer(redis, str(self.digest))
+            if stored is not None and stored != self.digest:
                 log.warning(
                     "FLEXLB_ADMIN_TOKEN differs from the cluster's stored admin token; this replica "
                     "accepts only its own (give every replica the same token)"
@@ -56,7 +56,7 @@ class AdminAuth:
             return
         token = secrets.token_urlsafe(24)
         digest = token_hash(token)
-        stored = await redis.set(self.key, digest, nx=True, get=True)
+        stored = await self._offer(redis, digest)
         if stored is None:
             log.warning(
                 "FLEXLB_ADMIN_TOKEN unset; generated the cluster's admin token (shown once, only its "
@@ -65,8 +65,16 @@ class AdminAuth:
             )
             self.digest = digest
         else:
-            self.digest = _s(stored)
+            self.digest = stored
             log.info("FLEXLB_ADMIN_TOKEN unset; using the cluster's admin token (hash in Redis)")
+
+    async def _offer(self, redis: aioredis.Redis, digest: str) -> str | None:
+        """Store `digest` unless a hash is stored already: None when ours was stored, else the
+        stored one. SET NX, then GET (not `SET NX GET`, which needs Redis 7)."""
+        if await redis.set(self.key, digest, nx=True):
+            return None
+        stored = await redis.get(self.key)
+        return _s(stored) if stored is not None else None
 
     def check(self, given: str) -> bool:
         if self.digest is None:
