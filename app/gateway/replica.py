@@ -34,7 +34,7 @@ from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
-from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
+from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
@@ -106,8 +106,10 @@ class Replica:
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
         self.batcher_config = BatcherConfig()
+        # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
+        self.policies = PolicyBook(settings.policies)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
-        self.decode_strategy = make_decode_strategy(settings.decode_strategy)
+        self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
@@ -153,10 +155,10 @@ class Replica:
             c = self.clients[wid] = WorkerClient(addr)
         return c
 
-    def _make_prefill(self, name: str) -> Any:
-        """Every prefill strategy gets the formula, so its choice carries the predicted ms that the
-        hand-off adds to the worker's queued time, whatever the strategy."""
-        return make_prefill_strategy(name, formula=self.formula)
+    def _make_prefill(self, name: str) -> Policy:
+        """Every prefill policy gets the formula, so its choice carries the predicted ms that the
+        hand-off adds to the worker's queued time, whatever the policy."""
+        return self.policies.build(PREFILL, name, self.formula)
 
     def wake_owner(self, wid: str) -> None:
         """Origin and owner are the same replica: nothing to do beyond the XADD, which already
@@ -178,7 +180,9 @@ class Replica:
         self.prefill_strategy = self._make_prefill(
             cfg.get("prefill_strategy", self.settings.prefill_strategy)
         )
-        self.decode_strategy = make_decode_strategy(cfg.get("decode_strategy", self.settings.decode_strategy))
+        self.decode_strategy = self.policies.build(
+            DECODE, cfg.get("decode_strategy", self.settings.decode_strategy)
+        )
         self.batcher_config = batcher_config_from(cfg)
         for d in self.dispatchers.values():
             d.wake.set()  # apply the new knobs now, not at the batcher's next timer

@@ -2,7 +2,7 @@
 
 What runs is the production code, on a virtual clock:
 
-- routing: `app.scheduling.routing` strategies (`make_prefill_strategy`, `make_decode_strategy`) over
+- routing: `app.scheduling.policy` policies (`PolicyBook.build`, the gateway's plugins) over
   `WorkerView` snapshots built the way `app/request/pipeline.py` builds them;
 - batching: one `app.scheduling.batcher.Batcher` per prefill worker (the owner's), with the gateway's
   formula (`app.scheduling.formula`) as its predictor;
@@ -27,14 +27,14 @@ Determinism: one heap ordered by (time, insertion number), every random draw fro
 from the run's seed, and no iteration over unordered sets where the order could matter, so the same
 inputs give the same records.
 
-Large fleets: above ``full_scan_max`` workers a replica does not hand all views to the strategy.
+Large fleets: above ``full_scan_max`` workers a replica does not hand all views to the policy.
 Prefill candidates are the prefix holders plus a least-loaded shortlist from `top_candidates`
 (recomputed at each snapshot refresh and after every ``candidates`` of its own routings), which
 gives ``cost``, ``prefix`` and ``least_load`` the same best score as the whole fleet while the
 shortlist is fresh; ``round_robin`` gets the next ``candidates`` workers by id after its last choice,
-which is exactly what it would pick from the whole fleet; decode strategies get the best few by their
+which is exactly what it would pick from the whole fleet; decode policies get the best few by their
 own ranking, which cannot go stale between refreshes because decode views only change then. A
-strategy that finds no eligible candidate is retried over the whole fleet.
+policy that finds no eligible candidate is retried over the whole fleet.
 """
 
 from __future__ import annotations
@@ -51,14 +51,12 @@ from app.protocol.codes import FINISH_LENGTH, EngineStatus
 from app.report.records import RequestRecord
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import BatchItem
+from app.scheduling.policy import DECODE, PREFILL
 from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
     PrefillQuery,
     WorkerView,
-    decode_headroom,
-    make_decode_strategy,
-    make_prefill_strategy,
     owed_less_finished,
     top_candidates,
 )
@@ -121,14 +119,14 @@ class _Req:
 
 
 class _Replica:
-    """One gateway replica's routing state: its copy of the snapshots, overlays and strategies."""
+    """One gateway replica's routing state: its copy of the snapshots, overlays and policies."""
 
     def __init__(self, idx: int, sim: ClusterSim, policy: str) -> None:
         cfg = sim.cfg
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        self.pstrat = make_prefill_strategy(policy, formula=sim.formula)
-        self.dstrat = make_decode_strategy(cfg.decode_strategy)
+        self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
+        self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
         self.p_seen = [-1] * cfg.prefill
@@ -158,6 +156,7 @@ class ClusterSim:
         self.bcfg = batcher
         self.profile = cfg.engine_profile()
         self.formula = cfg.gateway_formula()
+        self.book = cfg.policy_book()
         self.bs = trace.block_size
         np_, nd = cfg.prefill, cfg.decode
         width = max(4, len(str(max(np_, nd) - 1)))
@@ -366,10 +365,11 @@ class ClusterSim:
         cfg = self.cfg
         views = rep.pviews
         n = len(views)
-        if n <= cfg.full_scan_max or rep.pstrat.name == "random":
+        picker = rep.pstrat.picker
+        if n <= cfg.full_scan_max or picker.name == "random":
             return rep.pstrat.choose(q, views, rep.rng)
-        if rep.pstrat.name == "round_robin":
-            last = getattr(rep.pstrat, "last", None)
+        if picker.name == "round_robin":
+            last = getattr(picker, "last", None)
             start = self.pindex[last] + 1 if last is not None else 0
             cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
         else:
@@ -398,11 +398,12 @@ class ClusterSim:
         views = rep.dviews
         n = len(views)
         strat = rep.dstrat
-        if n <= cfg.full_scan_max or strat.name == "random":
+        picker = strat.picker
+        if n <= cfg.full_scan_max or picker.name == "random":
             c = strat.choose(q, views, rep.rng)
             return int(c.worker_id.rsplit("-", 1)[1])
-        if strat.name == "round_robin":
-            last = getattr(strat, "last", None)
+        if picker.name == "round_robin":
+            last = getattr(picker, "last", None)
             start = int(last.rsplit("-", 1)[1]) + 1 if last is not None else 0
             cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
         else:
@@ -426,22 +427,10 @@ class ClusterSim:
         return int(c.worker_id.rsplit("-", 1)[1])
 
     def _decode_pool(self, rep: _Replica) -> None:
-        """The best ``candidates`` decode workers by the strategy's own ranking, and the workers tied
-        with the best (kv_headroom: within its tie_pct; least_load: equal key). Decode views only
-        change at a refresh, so this holds until the next one."""
-        views = rep.dviews
-        n = len(views)
-        if rep.dstrat.name == "least_load":
-            keys = [(v.reserved_tokens, v.running) for v in views]
-            order = sorted(range(n), key=lambda j: (keys[j], j))
-            best = keys[order[0]]
-            band = [j for j in range(n) if keys[j] == best]
-        else:  # kv_headroom: most unreserved KV first
-            heads = [decode_headroom(v) for v in views]
-            order = sorted(range(n), key=lambda j: (-heads[j], j))
-            best_h = heads[order[0]]
-            floor = best_h - best_h * float(getattr(rep.dstrat, "tie_pct", 0.0))
-            band = [j for j in range(n) if heads[j] >= floor]
+        """The best ``candidates`` decode workers by the policy's own ranking, and the workers tied
+        with the best (`Policy.rank_decode`: kv_headroom within its tie_pct, least_load equal on
+        reserved and running). Decode views only change at a refresh, so this holds until the next."""
+        order, band = rep.dstrat.rank_decode(rep.dviews)
         rep.dpool = sorted(order[: self.cfg.candidates])
         rep.dband = band
 
