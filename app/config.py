@@ -25,6 +25,9 @@ class Settings(BaseSettings):
     poll_deadline_ms: int = Field(500, description="deadline of one poll call")
     down_after_failures: int = Field(2, description="consecutive failures that mark a worker down")
     speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
+    speculative_max_entries: int = Field(
+        65536, ge=1, description="cap on the cache mirror's speculative (block, worker) entries"
+    )
     drain_timeout_s: float = Field(
         10.0, description="on SIGTERM: how long in-flight requests and batches may take to finish"
     )

@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from app.cluster.health import HealthChange, WorkerHealth
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.commit import owed_ms
 from app.state.keys import Keys
 
 log = logging.getLogger("flexlb.poller")
@@ -173,11 +174,12 @@ class WorkerPoller:
             p.hgetall(self.keys.ledger(self.wid))
             queued, reserved, ledger = await p.execute()
         now = time.time() * 1000
-        owed = 0.0
-        for raw in ledger.values():
-            b = json.loads(raw)
-            elapsed = max(0.0, now - float(b.get("start_ms", now))) / max(time_scale, 1e-9)
-            owed += max(0.0, float(b.get("predicted_ms", 0.0)) - elapsed)
+        entries = [json.loads(raw) for raw in ledger.values()]
+        owed = owed_ms(
+            ((float(b.get("predicted_ms", 0.0)), float(b.get("start_ms", now))) for b in entries),
+            now,
+            time_scale,
+        )
         return owed, float(queued or 0.0), int(reserved or 0), len(ledger)
 
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:

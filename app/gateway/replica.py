@@ -90,7 +90,9 @@ class Replica:
             on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
             on_master_lose=lambda: self._lease_metric("master", "lost"),
         )
-        self.mirror = CacheMirror(settings.speculative_ttl_ms)
+        self.mirror = CacheMirror(
+            settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
+        )
         self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.follower = MirrorFollower(

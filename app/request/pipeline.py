@@ -25,7 +25,7 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
 from app.state.handoff import Handoff, pack_tokens
 from app.state.handoff import s as _s
 from app.state.store import _REQUEST_RESERVED, _flatten
@@ -121,7 +121,7 @@ class Pipeline:
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
         self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
-        # start and end on the worker's clock, wall time of the reply); see `_owed`.
+        # start and end on the worker's clock, wall time of the reply); see `routing.current_loads`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
         # worker id → (the snapshot dict it was parsed from, registry state, its view): snapshots
         # are replaced, never mutated, a few times a second, while every request ranks every
@@ -142,25 +142,20 @@ class Pipeline:
             else:
                 view = _parse_view(wid, role, snap, state)
                 self._view_cache[wid] = (snap, state, view)
-            queued = view.queued_ms
-            ov = r.queued_overlay.get(wid)
-            if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
-                queued = ov[0]
-            owed = self._owed(wid, snap) if role == "prefill" else 0.0
+            prefill = role == "prefill"
+            queued, owed = current_loads(
+                view.queued_ms,
+                float(snap.get("owed_ms", 0.0) or 0.0) if prefill else 0.0,
+                float(snap.get("now_ms", 0.0) or 0.0),
+                r.queued_overlay.get(wid),
+                r.snapshot_time.get(wid, 0.0),
+                self.finished.get(wid) if prefill else None,
+                time.time() - 5.0,  # older entries are long since reflected, or from an older epoch
+            )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
         return out
-
-    def _owed(self, wid: str, snap: dict[str, str]) -> float:
-        """See `routing.owed_less_finished`; entries older than 5 s are long since reflected, or
-        from an older worker epoch."""
-        owed = float(snap.get("owed_ms", 0.0) or 0.0)
-        done = self.finished.get(wid)
-        if not done:
-            return owed
-        now = float(snap.get("now_ms", 0.0) or 0.0)
-        return owed_less_finished(owed, now, done, time.time() - 5.0)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():

@@ -40,6 +40,7 @@ __all__ = [
     "PrefillQuery",
     "WorkerView",
     "check_hotspot_queue_len",
+    "current_loads",
     "decode_headroom",
     "eligible_decode",
     "eligible_prefill",
@@ -240,6 +241,30 @@ def owed_less_finished(
         if start <= snap_now_ms:
             owed_ms -= max(0.0, predicted - (snap_now_ms - start))
     return max(0.0, owed_ms)
+
+
+def current_loads(
+    queued_ms: float,
+    owed_ms: float,
+    snap_now_ms: float,
+    overlay: tuple[float, float] | None,
+    snapshot_time: float,
+    finished: list[tuple[float, float, float, float]] | None,
+    stale_before: float,
+) -> tuple[float, float]:
+    """A prefill worker's (queued ms, owed ms) as this origin should rank it: the snapshot's values,
+    with the queued time replaced by this origin's own latest hand-off answer (``overlay``: queued
+    ms, when) if that is not older than the snapshot (``snapshot_time``, same clock), and the owed
+    time less this origin's prefills that finished since (`owed_less_finished`; ``finished`` is
+    pruned in place, ``stale_before`` in its fourth field's unit).
+
+    The one computation behind `Pipeline.views` (wall clock in s) and the simulator's views (modelled
+    ms), so a simulated replica ranks workers exactly as a live one does."""
+    if overlay is not None and overlay[1] >= snapshot_time:
+        queued_ms = overlay[0]
+    if finished:
+        owed_ms = owed_less_finished(owed_ms, snap_now_ms, finished, stale_before)
+    return queued_ms, owed_ms
 
 
 def decode_headroom(w: WorkerView) -> int:

@@ -75,6 +75,7 @@ class SimConfig:
     policies: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: _settings().policies)
     poll_interval_ms: float = field(default_factory=lambda: float(_settings().poll_interval_ms))
     speculative_ttl_ms: float = field(default_factory=lambda: float(_settings().speculative_ttl_ms))
+    speculative_max_entries: int = field(default_factory=lambda: _settings().speculative_max_entries)
     max_queue_len: int = field(default_factory=lambda: _settings().max_queue_len)
     # Origin → owner: the hand-off stream append plus the owner's blocking read (Redis on loopback).
     handoff_latency_ms: float = 1.0
