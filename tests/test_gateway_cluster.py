@@ -353,6 +353,16 @@ def test_admin_auth_and_validation(worker_pool, shared_embedded_redis, cluster, 
             resp = httpx_put(gw, "/admin/config", bad)
             assert resp.status_code == 400, bad
         assert gw.get("/admin/config", admin=True).json() == cfg0
+        # the names the config accepts are what the policy registry holds, and the API lists them
+        listed = gw.get("/admin/policies", admin=True).json()
+        assert sorted(listed["policies"]["prefill"]) == [
+            "cost",
+            "least_load",
+            "prefix",
+            "random",
+            "round_robin",
+        ]
+        assert "predicted_finish_ms" in listed["plugins"]["scorer"]
         ok = httpx_put(
             gw, "/admin/config", {"prefill_strategy": "prefix", "prefill_time_formula": "5 + inputTokens"}
         )

@@ -59,7 +59,6 @@ class WorkerPoller:
         down_after: int = 2,
         is_valid: Callable[[], bool] = lambda: True,
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
-        on_records: Callable[[str, list[dict[str, Any]], bool], Awaitable[None]] | None = None,
         on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
     ) -> None:
         self.wid = wid
@@ -72,7 +71,6 @@ class WorkerPoller:
         self.health = WorkerHealth(down_after=down_after)
         self.is_valid = is_valid
         self.on_health = on_health
-        self.on_records = on_records
         self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
         self.since_seq = 0
         self.cache_version: int | None = None
@@ -125,8 +123,6 @@ class WorkerPoller:
         if change is not None and change.epoch_changed:
             self.cache_version = None
         await self._changed(change)
-        if self.on_records is not None and (st.get("finished") or st.get("resync")):
-            await self.on_records(self.wid, st.get("finished", []), bool(st.get("resync")))
         if st.get("finished"):
             self.since_seq = st["finished"][-1]["seq"]
         self.last_status = st

@@ -28,9 +28,10 @@ from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
-from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.handoff import GROUP, Handoff, unpack_tokens
 from app.state.resp import RespConnection, stream_entries
 from app.state.store import FencedOut, StateStore
+from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.owner")
 

@@ -4,7 +4,6 @@ so they persist and apply on every replica (upstream lesson 10)."""
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -20,6 +19,7 @@ from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
 from app.scheduling.policy import DECODE, PREFILL
+from app.state.text import to_str as _s
 
 RUNTIME_KEYS: dict[str, type] = {
     "prefill_strategy": str,
@@ -233,10 +233,5 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     async with r.redis.pipeline(transaction=True) as p:
         p.hset(r.keys.config, mapping=patch)
         p.hincrby(r.keys.config, "version", 1)
-        p.publish(r.keys.registry_events, json.dumps({"config": sorted(patch)}))
         await p.execute()
     return await get_config(request)
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

@@ -38,6 +38,7 @@ from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
+from app.state.text import to_str as _s
 from app.tokens.tokenizer import load_tokenizer
 
 log = logging.getLogger("flexlb.replica")
@@ -528,7 +529,3 @@ async def _stop_poller(p: WorkerPoller) -> None:
             return
         except TimeoutError:
             continue
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

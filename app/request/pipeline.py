@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
@@ -27,8 +27,8 @@ from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
 from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
 from app.state.handoff import Handoff, pack_tokens
-from app.state.handoff import s as _s
-from app.state.store import _REQUEST_RESERVED, _flatten
+from app.state.store import request_fields
+from app.state.text import to_str as _s
 
 if TYPE_CHECKING:
     from app.gateway.replica import Replica
@@ -251,7 +251,7 @@ class Pipeline:
         r = self.r
         rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
+        args = [r.replica_id, *request_fields(fields)]
         dec = p.decode_worker
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
@@ -289,7 +289,7 @@ class Pipeline:
         r = self.r
         rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        scripts = r.store._scripts
+        sha = r.store.sha
         dec = p.decode_worker
         need = len(req.input_ids) + req.max_new_tokens
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
@@ -299,19 +299,19 @@ class Pipeline:
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             [
                 "EVALSHA",
-                scripts["create_request"].sha,
+                sha("create_request"),
                 1,
                 r.keys.request(rid),
                 r.replica_id,
-                *_flatten(fields, _REQUEST_RESERVED),
+                *request_fields(fields),
             ],
         ]
         if dec:
-            cmds.append(["EVALSHA", scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap])
+            cmds.append(["EVALSHA", sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         cmds.append(
             [
                 "EVALSHA",
-                scripts["handoff"].sha,
+                sha("handoff"),
                 2,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
@@ -335,14 +335,9 @@ class Pipeline:
         return entry, queued, held
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
-        """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
-        it again — every command here is idempotent for its request id. Any other error reply
-        is raised."""
-        r = self.r
-        res = await r.store.execute(cmds)
-        if any(isinstance(x, NoScriptError) for x in res):
-            await r.store.load_scripts()
-            res = await r.store.execute(cmds)
+        """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised."""
+        res = await self.r.store.execute_scripts(cmds)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x
