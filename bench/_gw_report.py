@@ -5,10 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from _gw_cluster import MAX_NEW_TOKENS, PROMPT_TOKENS
-from _harness import (
-    console,
-)
-from rich.table import Table
+from _harness import console, table
 
 
 def _yes(b: bool) -> str:
@@ -22,7 +19,6 @@ def _err(d: dict[str, int]) -> str:
 def render(results: dict[str, Any]) -> None:
     ol = results.get("open_loop")
     if ol:
-        t = Table(title=f"1. open loop {ol['rate']:g} req/s x {ol['duration_s']:g} s, 2 replicas")
         cols = [
             ("sched/sent/ok", f"{ol['scheduled']}/{ol['sent']}/{ol['ok']}"),
             ("errors", _err(ol["errors"])),
@@ -37,18 +33,17 @@ def render(results: dict[str, Any]) -> None:
             ("cores gw/wk/redis/client", _cores(ol)),
             ("deaths", str(ol.get("deaths_during", 0))),
         ]
-        for name, _ in cols:
-            t.add_column(name, justify="right")
+        title = f"1. open loop {ol['rate']:g} req/s x {ol['duration_s']:g} s, 2 replicas"
+        t = table(title, [name for name, _ in cols])
         t.add_row(*(v for _, v in cols))
         console.print(t)
     e = results.get("e2e")
     if e:
-        t = Table(
-            title=f"2. end-to-end, {e['n']} sequential requests each "
-            f"({PROMPT_TOKENS} tokens in, {MAX_NEW_TOKENS} out)"
+        t = table(
+            f"2. end-to-end, {e['n']} sequential requests each "
+            f"({PROMPT_TOKENS} tokens in, {MAX_NEW_TOKENS} out)",
+            ("path", "p50 ms", "p99 ms", "errors"),
         )
-        for c in ("path", "p50 ms", "p99 ms", "errors"):
-            t.add_column(c, justify="right")
         t.add_row(
             "gateway", f"{e['gateway_p50_ms']:.2f}", f"{e['gateway_p99_ms']:.2f}", _err(e["gateway_errors"])
         )
@@ -59,18 +54,19 @@ def render(results: dict[str, Any]) -> None:
         console.print(t)
     cl = results.get("closed_loop")
     if cl:
-        t = Table(title="3. closed loop")
-        for c in (
-            "clients",
-            "req/s",
-            "p50 ms",
-            "p99 ms",
-            "errors",
-            "gw CPU ms/req",
-            "cores gw/wk/redis/client",
-            "deaths",
-        ):
-            t.add_column(c, justify="right")
+        t = table(
+            "3. closed loop",
+            (
+                "clients",
+                "req/s",
+                "p50 ms",
+                "p99 ms",
+                "errors",
+                "gw CPU ms/req",
+                "cores gw/wk/redis/client",
+                "deaths",
+            ),
+        )
         for r in cl:
             t.add_row(
                 str(r["concurrency"]),

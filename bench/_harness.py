@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import psutil
 from rich.console import Console
+from rich.table import Table
 
 from workers.server.spawn import ReadyLine
 
@@ -39,6 +40,7 @@ __all__ = [
     "start_worker",
     "start_workers",
     "stop_on_sigterm",
+    "table",
     "wait_until",
 ]
 
@@ -255,6 +257,14 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, list | tuple):
         return [json_safe(v) for v in x]
     return x
+
+
+def table(title: str, columns: Sequence[str]) -> Table:
+    """A rich table of right-aligned (numeric) columns, the shape of every benchmark's report."""
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    return t
 
 
 def _sigterm(_signum: int, _frame: FrameType | None) -> None:

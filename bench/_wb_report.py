@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from _harness import console
+from _harness import console, table
 from _wb_ops import DELIVERY_TARGET, OVERHEAD_TARGET_MS
-from rich.table import Table
 
 
 def _cores(d: dict[str, Any]) -> str:
@@ -17,21 +16,20 @@ def _cores(d: dict[str, Any]) -> str:
 def render(results: dict[str, Any]) -> None:
     tp = results.get("prefill_throughput")
     if isinstance(tp, list):
-        t = Table(
-            title=f"(a) prefill throughput, formula 0, {results['config']['concurrency']} streams in flight"
+        t = table(
+            f"(a) prefill throughput, formula 0, {results['config']['concurrency']} streams in flight",
+            (
+                "batch",
+                "prompt",
+                "batches/s",
+                "requests/s",
+                "p50 ms",
+                "p99 ms",
+                "not ok",
+                "cached",
+                "cores w/c",
+            ),
         )
-        for col in (
-            "batch",
-            "prompt",
-            "batches/s",
-            "requests/s",
-            "p50 ms",
-            "p99 ms",
-            "not ok",
-            "cached",
-            "cores w/c",
-        ):
-            t.add_column(col, justify="right")
         for r in tp:
             t.add_row(
                 str(r["batch_size"]),
@@ -47,23 +45,22 @@ def render(results: dict[str, Any]) -> None:
         console.print(t)
     ov = results.get("prefill_overhead")
     if isinstance(ov, dict) and "added_ms_p50" in ov:
-        t = Table(
-            title=f"(b) prefill path overhead, formula {ov['formula']}, batch {ov['batch_size']} x "
-            f"{ov['prompt_tokens']}, sequential (target <= {OVERHEAD_TARGET_MS:g} ms)"
+        t = table(
+            f"(b) prefill path overhead, formula {ov['formula']}, batch {ov['batch_size']} x "
+            f"{ov['prompt_tokens']}, sequential (target <= {OVERHEAD_TARGET_MS:g} ms)",
+            (
+                "batches",
+                "modelled ms",
+                "wall p50",
+                "added p50",
+                "added p99",
+                "send->accepted",
+                "accepted->results -modelled",
+                "results->final",
+                "cores w/c",
+                "ok",
+            ),
         )
-        for col in (
-            "batches",
-            "modelled ms",
-            "wall p50",
-            "added p50",
-            "added p99",
-            "send->accepted",
-            "accepted->results -modelled",
-            "results->final",
-            "cores w/c",
-            "ok",
-        ):
-            t.add_column(col, justify="right")
         t.add_row(
             str(ov["batches"]),
             f"{ov['modelled_ms_p50']:.1f}",
@@ -79,26 +76,25 @@ def render(results: dict[str, Any]) -> None:
         console.print(t)
     dec = results.get("decode_delivery")
     if isinstance(dec, list):
-        t = Table(
-            title=f"(c) decode delivery, llama3.1-8b-h100, time scale 1 (target >= {DELIVERY_TARGET:.0%})"
+        t = table(
+            f"(c) decode delivery, llama3.1-8b-h100, time scale 1 (target >= {DELIVERY_TARGET:.0%})",
+            (
+                "streams",
+                "delivered tok/s",
+                "modelled tok/s",
+                "ratio",
+                "chunk cfg",
+                "chunk p50",
+                "chunk p99",
+                "tok/chunk",
+                "lag p50",
+                "lag p99",
+                "cut",
+                "cores w/c",
+                "bad",
+                "ok",
+            ),
         )
-        for col in (
-            "streams",
-            "delivered tok/s",
-            "modelled tok/s",
-            "ratio",
-            "chunk cfg",
-            "chunk p50",
-            "chunk p99",
-            "tok/chunk",
-            "lag p50",
-            "lag p99",
-            "cut",
-            "cores w/c",
-            "bad",
-            "ok",
-        ):
-            t.add_column(col, justify="right")
         for d in dec:
             t.add_row(
                 str(d["streams"]),

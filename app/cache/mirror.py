@@ -192,23 +192,26 @@ class CacheMirror:
 
     def match(self, keys: Sequence[int], workers: Iterable[str], now_ms: float) -> dict[str, int]:
         """Leading blocks of `keys` each of `workers` holds (confirmed or speculative), 0 included."""
-        out: dict[str, int] = {}
-        spec_get = self.spec.get
-        for w in workers:
-            view = self._workers.get(w)
-            held = view.keys if view else set()
-            n = 0
-            for k in keys:
-                if k in held:
-                    n += 1
-                    continue
-                sp = spec_get(k)
-                if sp is not None and sp.get(w, 0.0) > now_ms:
-                    n += 1
-                    continue
-                break
-            out[w] = n
-        return out
+        return {w: self._run(w, keys, 0, self.spec, now_ms) for w in workers}
+
+    def _run(self, w: str, keys: Sequence[int], n: int, spec: SpecIndex, now_ms: float) -> int:
+        """How many leading blocks of ``keys`` worker ``w`` holds, counting on from block ``n``
+        (the caller knows the first ``n`` are held): confirmed, or speculative and unexpired."""
+        view = self._workers.get(w)
+        held = view.keys if view is not None else ()
+        spec_get = spec.get
+        n_keys = len(keys)
+        while n < n_keys:
+            k = keys[n]
+            if k in held:
+                n += 1
+                continue
+            sp = spec_get(k)
+            if sp is not None and sp.get(w, 0.0) > now_ms:
+                n += 1
+                continue
+            break
+        return n
 
     def match_fast(self, keys: Sequence[int], now_ms: float, spec: SpecIndex | None = None) -> dict[str, int]:
         """Leading blocks of ``keys`` each worker holds, confirmed or (unexpired) speculative, for
@@ -232,25 +235,7 @@ class CacheMirror:
             holders.update(w for w, e in sp0.items() if e > now_ms)
         if not holders:
             return {}
-        out: dict[str, int] = {}
-        n_keys = len(keys)
-        spec_get = spec.get
-        for w in holders:
-            view = workers.get(w)
-            held = view.keys if view is not None else ()
-            n = 1
-            while n < n_keys:
-                k = keys[n]
-                if k in held:
-                    n += 1
-                    continue
-                sp = spec_get(k)
-                if sp is not None and sp.get(w, 0.0) > now_ms:
-                    n += 1
-                    continue
-                break
-            out[w] = n
-        return out
+        return {w: self._run(w, keys, 1, spec, now_ms) for w in holders}
 
     def size(self, worker: str) -> int:
         v = self._workers.get(worker)

@@ -25,7 +25,7 @@ import pkgutil
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from app.scheduling.formula import Formula
 from app.scheduling.routing import WorkerView
@@ -36,6 +36,7 @@ __all__ = [
     "Candidates",
     "Filter",
     "Picker",
+    "Plugin",
     "PluginSpec",
     "Scorer",
     "build",
@@ -120,6 +121,17 @@ class Picker(Protocol):
     ) -> tuple[int, bool]: ...
 
 
+class Plugin:
+    """Base of every plugin class: `register` sets ``name``; one without parameters is built from
+    the context alone (this constructor)."""
+
+    __slots__ = ()
+    name: ClassVar[str] = ""
+
+    def __init__(self, ctx: BuildContext) -> None:
+        del ctx
+
+
 @dataclass(frozen=True)
 class PluginSpec:
     """A registered plugin: its extension point, name, roles it applies to, factory and the typed
@@ -157,6 +169,8 @@ def register(
             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name != "ctx"
         }
         doc = (inspect.getdoc(factory) or "").split("\n\n", 1)[0].replace("\n", " ")
+        if isinstance(factory, type):
+            factory.name = name  # type: ignore[attr-defined]
         _REGISTRY[(kind, name)] = PluginSpec(kind, name, roles, factory, params, doc)
         return factory
 

@@ -4,22 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import Candidates, Plugin, register
 from app.scheduling.routing import DecodeQuery, eligible_decode
 
 
 @register("filter", "decode_fit", roles=("decode",))
-class DecodeFit:
+class DecodeFit(Plugin):
     """Role decode, up, not draining, and KV headroom for input + max_new tokens; measures headroom.
 
     A decode worker that runs out of KV mid-stream must preempt or fail, which costs far more than
     any balancing gain, so every decode policy fits the request first (`routing.eligible_decode`)."""
 
-    name = "decode_fit"
     __slots__ = ()
-
-    def __init__(self, ctx: BuildContext) -> None:
-        del ctx
 
     def apply(self, q: Any, c: Candidates) -> Candidates:
         assert isinstance(q, DecodeQuery)

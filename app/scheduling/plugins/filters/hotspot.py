@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
 from app.scheduling.routing import NoWorker, check_hotspot_queue_len
 
 
 @register("filter", "hotspot", roles=("prefill",))
-class Hotspot:
+class Hotspot(Plugin):
     """Keep prefill workers with ``queue_len <= hotspot_queue_len``; None (the default) keeps all.
 
     A hard bound on queued batches, for deployments that prefer a refusal to an unbounded wait."""
 
-    name = "hotspot"
     __slots__ = ("hotspot_queue_len",)
 
     def __init__(self, ctx: BuildContext, *, hotspot_queue_len: int | None = None) -> None:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
 
 
 @register("filter", "prefix_affinity", roles=("prefill",))
-class PrefixAffinity:
+class PrefixAffinity(Plugin):
     """Keep only the workers holding the longest cached prefix, unless their least loaded one is
     overloaded against the least loaded worker overall; then keep all (sglang's cache-aware rule).
 
@@ -17,7 +17,6 @@ class PrefixAffinity:
     proportionally small gaps at high load both keep the cache. Sets the reason ``prefix`` (narrowed),
     ``load_guard`` (the guard fired) or ``no_hit`` (nobody holds a block)."""
 
-    name = "prefix_affinity"
     __slots__ = ("balance_abs_ms", "balance_rel")
 
     def __init__(self, ctx: BuildContext, *, balance_abs_ms: float = 200.0, balance_rel: float = 1.5) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, Scorer, register
+from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, Scorer, register
 from app.scheduling.routing import pick_tied
 
 
 @register("picker", "best")
-class Best:
+class Best(Plugin):
     """The candidates within ``max(tie_pct × |best|, tie_abs)`` of the best utility are tied; each
     ``tie_break`` scorer in turn keeps only the tied candidates it rates best; one of the rest is
     drawn with ``rng`` (in id order; a single one draws nothing).
@@ -20,7 +20,6 @@ class Best:
     snapshot, so always taking the exact best would herd every replica's requests onto one worker
     between two polls."""
 
-    name = "best"
     __slots__ = ("banded", "tie_abs", "tie_break", "tie_pct")
 
     def __init__(

@@ -5,19 +5,15 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import Candidates, Plugin, register
 
 
 @register("picker", "random")
-class RandomPick:
+class RandomPick(Plugin):
     """One candidate drawn uniformly with ``rng``, in the order given (sorting a 1,000-worker fleet
     per request would cost more than the draw). The floor every other policy must beat."""
 
-    name = "random"
     __slots__ = ()
-
-    def __init__(self, ctx: BuildContext) -> None:
-        del ctx
 
     def pick(
         self, q: Any, c: Candidates, utils: list[float] | None, sign: float, rng: random.Random

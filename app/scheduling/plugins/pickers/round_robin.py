@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
 from app.scheduling.routing import WorkerView
 
 
@@ -23,14 +23,13 @@ def next_after(ws: Sequence[WorkerView], last: str | None) -> int:
 
 
 @register("picker", "round_robin")
-class RoundRobin:
+class RoundRobin(Plugin):
     """The smallest candidate id after the one chosen last (wrapping to the smallest).
 
     The state is the id chosen last, not a counter modulo the field size: when workers come, go or
     are filtered out between requests, a counter would skip or repeat workers. No randomness; state
     per instance, so each replica (or simulated replica) cycles on its own."""
 
-    name = "round_robin"
     __slots__ = ("last",)
 
     def __init__(self, ctx: BuildContext) -> None:

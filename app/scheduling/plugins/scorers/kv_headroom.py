@@ -4,21 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import Candidates, Plugin, register
 
 
 @register("scorer", "kv_headroom_tokens", roles=("decode",))
-class KvHeadroom:
+class KvHeadroom(Plugin):
     """min(kv_free, kv_total − reserved) (`routing.decode_headroom`, measured by `decode_fit`), higher
     is better: counts what every replica has already promised the worker, so a burst between two
     polls spreads out instead of overfilling the worker that looked emptiest."""
 
-    name = "kv_headroom_tokens"
     sense = "max"
     __slots__ = ()
-
-    def __init__(self, ctx: BuildContext) -> None:
-        del ctx
 
     def score(self, q: Any, c: Candidates) -> list[float]:
         return [float(h) for h in c.heads]

@@ -5,18 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from app.scheduling.formula import Formula
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
 
 
 @register("scorer", "predicted_finish_ms", roles=("prefill",))
-class PredictedFinish:
+class PredictedFinish(Plugin):
     """predict_ms(L, h_w) + owed_ms(w) + queued_ms(w), lower is better (DESIGN §7).
 
     A long cached prefix makes ``predict_ms`` small, so the cache holder wins until the work already
     committed to it outweighs what the cache saves. Needs the gateway's compiled formula; one that
     cannot be evaluated raises FormulaEvalError (a configuration bug, not something to route around)."""
 
-    name = "predicted_finish_ms"
     sense = "min"
     __slots__ = ("formula",)
 

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.plugins.registry import BuildContext, Candidates, register
+from app.scheduling.plugins.registry import Candidates, Plugin, register
 
 
 @register("scorer", "prefill_load_ms", roles=("prefill",))
-class PrefillLoad:
+class PrefillLoad(Plugin):
     """owed_ms + queued_ms (committed work left plus what waits), lower is better; cache-blind."""
 
-    name = "prefill_load_ms"
     sense = "min"
     __slots__ = ()
-
-    def __init__(self, ctx: BuildContext) -> None:
-        del ctx
 
     def score(self, q: Any, c: Candidates) -> list[float]:
         return [w.owed_ms + w.queued_ms for w in c.workers]
