@@ -34,7 +34,7 @@ from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
-from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook
+from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook, batching_config
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
@@ -108,11 +108,11 @@ class Replica:
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
-        self.batcher_config = BatcherConfig()
         # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
         self.policies = PolicyBook(settings.policies)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
+        self.batcher_config = self._batching(BatcherConfig(), {})
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
@@ -163,6 +163,14 @@ class Replica:
         hand-off adds to the worker's queued time, whatever the policy."""
         return self.policies.build(PREFILL, name, self.formula)
 
+    def _batching(self, bc: BatcherConfig, cfg: dict[str, str]) -> BatcherConfig:
+        """The selected prefill policy's batching mode (a declared policy may name one) over the
+        runtime config's knobs, unless the runtime config sets the mode or algorithm itself."""
+        mode = self.prefill_strategy.batching
+        if mode is None or {"schedule_mode", "batch_algorithm"} & cfg.keys():
+            return bc
+        return batching_config(mode, bc.slo_ttft_ms, bc)
+
     def wake_owner(self, wid: str) -> None:
         """Origin and owner are the same replica: nothing to do beyond the XADD, which already
         wakes the owner's blocked XREADGROUP on the same Redis."""
@@ -186,7 +194,7 @@ class Replica:
         self.decode_strategy = self.policies.build(
             DECODE, cfg.get("decode_strategy", self.settings.decode_strategy)
         )
-        self.batcher_config = batcher_config_from(cfg)
+        self.batcher_config = self._batching(batcher_config_from(cfg), cfg)
         for d in self.dispatchers.values():
             d.wake.set()  # apply the new knobs now, not at the batcher's next timer
         if version:

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.plugins import registry
 from app.scheduling.plugins.registry import BuildContext, Candidates, Filter, Picker, Scorer
@@ -43,12 +44,13 @@ __all__ = [
     "Policy",
     "PolicyBook",
     "PolicyDef",
+    "batching_config",
     "make_decode_policy",
     "make_prefill_policy",
 ]
 
 ROLES = (PREFILL, DECODE)
-# The owner's batching modes (app/sim/config.py `batcher_config` maps each to batcher knobs).
+# The owner's batching modes (`batching_config` below maps each to batcher knobs).
 BATCHING_MODES = ("fixed_window", "slo", "direct")
 DEFAULT_PREFILL_POLICY = "cost"
 DEFAULT_DECODE_POLICY = "kv_headroom"
@@ -138,6 +140,22 @@ def _named(policy: str, kind: str, item: Any) -> tuple[str, Params]:
             params["tie_break"] = tuple(params["tie_break"])
         return item["name"], params
     raise ValueError(f"policy {policy!r}: a {kind} is a name or an object with a 'name', got {item!r}")
+
+
+def batching_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | None = None) -> BatcherConfig:
+    """The owner's batcher knobs for a policy's batching mode, over ``base`` (the defaults when None):
+    the live gateway applies the selected prefill policy's mode, the simulator each run's."""
+    b = base or BatcherConfig()
+    if batching == "fixed_window":
+        cfg = replace(b, algorithm="fixed_window", mode="batch")
+    elif batching == "slo":
+        cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
+    elif batching == "direct":
+        cfg = replace(b, mode="direct")
+    else:
+        raise ValueError(f"unknown batching {batching!r}; known: {', '.join(BATCHING_MODES)}")
+    cfg.validate()
+    return cfg
 
 
 _NO_PARAMS: Params = {}

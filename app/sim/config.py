@@ -8,13 +8,14 @@ gateway as it is configured unless the command line says otherwise.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.config import Settings
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, UPSTREAM_FITTED_FORMULA, Formula, compile_formula
 from app.scheduling.policy import BATCHING_MODES, PolicyBook
+from app.scheduling.policy import batching_config as batcher_config
 from workers.engine.profiles import EngineProfile, formula_profile, get_profile
 
 __all__ = ["BATCHING", "PROFILES", "SimConfig", "batcher_config", "engine_profile", "gateway_formula"]
@@ -39,21 +40,6 @@ def gateway_formula(profile: str, override: str | None) -> Formula:
     if override:
         return compile_formula(override)
     return compile_formula(UPSTREAM_FITTED_FORMULA if profile == "fitted" else DEFAULT_PREFILL_FORMULA)
-
-
-def batcher_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | None = None) -> BatcherConfig:
-    """The owner's batcher knobs for one batching mode (the live defaults otherwise)."""
-    b = base or BatcherConfig()
-    if batching == "fixed_window":
-        cfg = replace(b, algorithm="fixed_window", mode="batch")
-    elif batching == "slo":
-        cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
-    elif batching == "direct":
-        cfg = replace(b, mode="direct")
-    else:
-        raise ValueError(f"unknown batching {batching!r}; known: {', '.join(BATCHING)}")
-    cfg.validate()
-    return cfg
 
 
 def _settings() -> Settings:
