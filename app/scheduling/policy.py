@@ -12,9 +12,11 @@ gateway and the simulator call per request. A declared policy looks like::
                      "batching": "direct"}}
 
 ``filters`` are names or {"name": ..., params}; ``scorers`` map a name to a weight (or list
-{"name", "weight", params}); ``picker`` is a name or {"name", params}; ``batching`` (optional) is the
-owner's batching mode the simulator uses for it (fixed_window, slo or direct). The role's fit filter
-runs first in every policy. Plugins and their formulas: app/scheduling/plugins/*/README.md.
+{"name", "weight", params}); ``picker`` is a name or {"name", params}; ``batching`` (optional) is
+the owner's batching mode while the policy is selected (fixed_window, slo or direct; live unless
+the runtime config sets ``schedule_mode``/``batch_algorithm``, in the simulator unless
+``NAME@BATCHING``). The role's fit filter runs first in every policy. Plugins and their
+formulas: app/scheduling/plugins/*/README.md.
 
 Determinism contract (as before): the same query, worker sequence, picker state and ``rng`` state
 give the same `Choice` and leave ``rng`` in the same state; ties are broken over the tied workers
