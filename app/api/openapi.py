@@ -235,6 +235,7 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("post", "/admin/cache/match"): ADMIN_BODY,
     ("get", "/admin/stats"): [400, 401, 500],
     ("get", "/admin/config"): [401, 500],
+    ("get", "/admin/policies"): [401, 500],
     ("put", "/admin/config"): ADMIN_BODY,
 }
 #: Success bodies: (JSON schema, streaming chunk schema or None).
