@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from gateway_overhead import Gateway, Proc, start_gateway, start_workers, wait_for  # bench/ is sys.path[0]
+from _gw_cluster import Gateway, Proc, start_gateway, start_gateway_workers, wait_for  # bench/ on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "x" * 200
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[Proc] = []
     results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "args": vars(args) | {"output": None}}
     try:
-        procs += start_workers(["prefill", "decode"], log_dir)
+        procs += start_gateway_workers(["prefill", "decode"], log_dir)
         os.environ["FLEXLB_AUTH"] = "keys"  # read by the gateway subprocess
         gw = start_gateway(log_dir, emb.url, cluster, "bench-gw", secrets.token_urlsafe(18), "WARNING")
         procs.append(gw.proc)

@@ -26,10 +26,12 @@ from app.cluster.leases import Lease
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
-from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.handoff import GROUP, Handoff, unpack_tokens
 from app.state.resp import RespConnection, stream_entries
 from app.state.store import FencedOut, StateStore
+from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.owner")
 
@@ -331,13 +333,12 @@ class OwnerDispatcher:
                     self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
             elif self.config() is not self._cfg_seen:
                 self.batcher.config = self._scaled_config()
-            d = self.batcher.decide(time.time() * 1000)
+            d = commit_step(self.batcher, time.time() * 1000)
             for p, code in d.failed:
                 item: QueueItem = p.payload  # type: ignore[assignment]
                 M.BATCH_FAILED.labels(code).inc()
                 await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
             if d.items:
-                self.batcher.batch_started()
                 M.BATCH_FLUSHES.labels(d.reason).inc()
                 M.BATCH_SIZE.observe(len(d.items))
                 now = time.time() * 1000
@@ -361,7 +362,7 @@ class OwnerDispatcher:
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
-        predicted = sum(i.predicted_ms for i in items)
+        predicted = committed_ms(items)
         epoch = self.epoch()
         by_id = {i.request_id: i for i in items}
         self._batch_sizes[batch_id] = len(items)
@@ -375,7 +376,7 @@ class OwnerDispatcher:
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
-                take_ms=sum(i.predicted_ms for i in items),
+                take_ms=predicted,
             )
         except FencedOut:
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
