@@ -22,6 +22,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from app.state.keys import Keys
+
 #: Tenant names become parts of request ids and Redis hash tags: no braces, no `~` (the namespace
 #: separator), nothing a log line would misread.
 TENANT = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -130,7 +132,7 @@ class KeyStore:
         self.redis = redis
         self.prefix = prefix
         self.hash_key = f"{prefix}:apikeys"
-        self.config_key = f"{prefix}:config"  # the runtime config hash (app.state.keys.Keys.config)
+        self.config_key = Keys(prefix).config  # the runtime config hash
 
     async def add(self, tenant: str) -> tuple[str, KeyRecord]:
         """A new key for `tenant`: (the key — shown once, never stored —, its record)."""

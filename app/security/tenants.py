@@ -118,7 +118,10 @@ class Tenants:
         lim = limits_for(self._limits(), tenant)
         if not lim.limited:
             return
-        v = await self.limiter.admit(tenant, lim, rid, cost, timeout_ms)
+        try:
+            v = await self.limiter.admit(tenant, lim, rid, cost, timeout_ms)
+        except RedisError as exc:  # fail_closed, like the rest of the request path
+            raise ApiError("state_unavailable", "tenant limits unavailable", retry_after_s=1) from exc
         state = request.scope.setdefault("state", {})
         state["ratelimit_headers"] = v.headers
         if v.holds_slot:
