@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -227,6 +228,16 @@ def test_a_key_works_on_both_replicas_and_is_revoked_on_both_within_1s(sec: Sec)
     for gw in (sec.a, sec.b):
         res = sec.gen(gw, key)
         assert res.status_code == 200, res.text
+    # the OpenAI SDK sends its api_key as `Authorization: Bearer`
+    sdk = openai.OpenAI(base_url=sec.b.url + "/v1", api_key=key, max_retries=0, timeout=20)
+    chat = sdk.chat.completions.create(
+        model="flexlb-sim", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert chat.usage is not None and chat.usage.completion_tokens == 2
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=sec.b.url + "/v1", api_key="flx_00000000_" + "y" * 32, max_retries=0
+        ).models.list()
     for bad in (None, "flx_00000000_" + "x" * 32, "not-a-key"):
         res = sec.gen(sec.a, bad)
         assert res.status_code == 401 and res.json()["error"]["code"] == "unauthorized"
