@@ -53,10 +53,14 @@ class Sec:
         headers = {"Authorization": f"Bearer {self.token}"}
         return httpx.request(method, gw.url + path, headers=headers, timeout=10, **kw)
 
-    def gen(self, gw: Gateway, key: str | None, rid: str | None = None, **body: Any) -> httpx.Response:
+    def gen(
+        self, gw: Gateway, key: str | None, rid: str | None = None, priority: str = "", **body: Any
+    ) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if rid:
             headers["X-Request-Id"] = rid
+        if priority:
+            headers["x-flexlb-priority"] = priority
         payload = {"prompt": "hello", "max_new_tokens": 2, **body}
         return httpx.post(gw.url + "/v1/generate", json=payload, headers=headers, timeout=20)
 
@@ -159,20 +163,30 @@ def test_a_10_mib_body_is_refused_before_it_is_read_whole(sec: Sec) -> None:
     assert sec.gen(sec.a, key).status_code == 200  # the replica serves on
 
 
+def _hold(port: int, key: str, cls: str) -> socket.socket:
+    """A generation request whose body never finishes arriving: it holds a slot of the cap."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(
+        b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {key}\r\nx-flexlb-priority: {cls}\r\n".encode()
+        + b'Content-Length: 100\r\n\r\n{"prompt":'
+    )
+    return s
+
+
 def test_the_replica_cap_answers_429_before_reading_the_body(sec: Sec) -> None:
-    key = sec.add_key("capped")
+    key = sec.add_key("capped", max_priority="system")
+    sec.limits_applied()
     held = []
     try:
-        for _ in range(CAP):  # requests whose bodies never finish arriving hold the cap
-            s = socket.create_connection(("127.0.0.1", sec.b.port), timeout=10)
-            s.sendall(
-                b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Authorization: Bearer {key}\r\nContent-Length: 100\r\n\r\n".encode()
-                + b'{"prompt":'
-            )
-            held.append(s)
+        for _ in range(CAP):  # `system` may fill the whole cap
+            held.append(_hold(sec.b.port, key, "system"))
         t0 = time.monotonic()
-        res = wait_for(lambda: (x := sec.gen(sec.b, key)).status_code == 429 and x, 5, what="429 at the cap")
+        res = wait_for(
+            lambda: (x := sec.gen(sec.b, key, priority="system")).status_code == 429 and x,
+            5,
+            what="429 at cap",
+        )
         assert res.json()["error"]["code"] == "overloaded"
         assert res.headers["retry-after"] == "1"
         assert time.monotonic() - t0 < 5
@@ -181,6 +195,33 @@ def test_the_replica_cap_answers_429_before_reading_the_body(sec: Sec) -> None:
         for s in held:
             s.close()
     wait_for(lambda: sec.gen(sec.b, key).status_code == 200, 5, what="the cap freed by the disconnects")
+
+
+def test_under_overload_lower_priority_classes_are_refused_first(sec: Sec) -> None:
+    """With one of the cap's two slots taken, `bulk`, `default` and `interactive` (each may fill
+    only part of the cap) are refused while `system` still gets in — for a tenant granted it; a
+    tenant that asks for more than its grant is lowered to it."""
+    ops, plain = sec.add_key("ops", max_priority="system"), sec.add_key("plain")
+    sec.limits_applied()
+
+    def gen(key: str, cls: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}", "x-flexlb-priority": cls}
+        return httpx.post(sec.b.url + "/v1/generate", json={"prompt": "hi"}, headers=headers, timeout=20)
+
+    held = _hold(sec.b.port, ops, "system")
+    try:
+        refused = wait_for(lambda: (x := gen(ops, "bulk")).status_code == 429 and x, 5, what="bulk refused")
+        err = refused.json()["error"]
+        assert err["code"] == "overloaded" and "'bulk'" in err["message"]
+        for cls in ("default", "interactive"):
+            assert gen(ops, cls).status_code == 429, cls
+        assert gen(ops, "system").status_code == 200
+        assert gen(plain, "system").status_code == 429  # lowered to interactive: no grant
+        bad = gen(plain, "urgent")
+        assert bad.status_code == 400 and "x-flexlb-priority" in bad.json()["error"]["message"]
+    finally:
+        held.close()
+    wait_for(lambda: gen(plain, "bulk").status_code == 200, 5, what="the slot freed by the disconnect")
 
 
 def test_ids_that_would_change_a_redis_hash_tag_are_refused(sec: Sec) -> None:

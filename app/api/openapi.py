@@ -27,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from app.api.schemas import SEED_MAX
 from app.gateway.errors import KINDS
 from app.scheduling.policy import DECODE, PREFILL, PolicyBook
+from app.security.limits import PRIORITIES
 from app.state.store import PROGRESS, TERMINAL
 
 REF = "#/components/schemas/"
@@ -273,6 +274,14 @@ HEADERS = [
         "required": False,
         "description": "W3C trace context; its trace id is logged with the request (ignored if malformed)",
         "schema": {"type": "string"},
+    },
+    {
+        "name": "x-flexlb-priority",
+        "in": "header",
+        "required": False,
+        "description": "priority class (default `default`), lowered to the tenant's max_priority "
+        "(without tenants: interactive); under overload a replica refuses the lower classes first",
+        "schema": {"type": "string", "enum": list(PRIORITIES)},
     },
 ]
 SSE_TEXT = (

@@ -268,6 +268,9 @@ class NewKey(BaseModel):
     rps: float = Field(None, ge=0, strict=True, description="tenant limit: requests per second (0 = none)")
     tpm: _Count = Field(None, description="tenant limit: prompt + output tokens per minute (0 = none)")
     max_concurrent: _Count = Field(None, description="tenant limit: requests in flight (0 = none)")
+    max_priority: Literal["bulk", "default", "interactive", "system"] = Field(
+        None, description="highest x-flexlb-priority class the tenant's requests get"
+    )
 
 
 class TenantLimitsPatch(BaseModel):
@@ -277,6 +280,7 @@ class TenantLimitsPatch(BaseModel):
     rps: float = Field(None, ge=0, strict=True)
     tpm: _Count = Field(None)
     max_concurrent: _Count = Field(None)
+    max_priority: Literal["bulk", "default", "interactive", "system"] = Field(None)
     disabled: StrictBool = Field(None)
 
 

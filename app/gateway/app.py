@@ -88,9 +88,11 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     )
     # Input limits before any work (app/security/limits.py): outside routing, so a refused body is
     # never read whole; the cap answers before the body is read at all.
-    app.add_middleware(TenantGate, tenants=tenants)  # 401/403 before the body is read
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # Outermost first: the body limit (413 from Content-Length at once), the tenant (401/403; it
+    # tells the cap how high a priority the caller may ask for), the cap (429 by class).
     app.add_middleware(ConcurrencyCap, limit=settings.max_concurrent_requests)
+    app.add_middleware(TenantGate, tenants=tenants)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_BoundedMethod)  # outermost: the HTTP metrics see the bounded method
 
     @app.get("/healthz")

@@ -6,7 +6,7 @@ valid. The id (8 hex, also inside the key) names a key in listings and revocatio
 revealing it. The key is shown once, by whoever created it.
 
 Per-tenant limits live in the runtime config (`tenant_limits`, JSON `{tenant: {rps, tpm,
-max_concurrent, disabled}}`, `"*"` the default for tenants without an entry), so they apply live
+max_concurrent, max_priority, disabled}}`, `"*"` the default for tenants without an entry), so they apply live
 on every replica like the other runtime knobs; `merge_limits` changes one tenant atomically.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from app.security.limits import DEFAULT_MAX_PRIORITY, PRIORITIES
 from app.state.keys import Keys
 
 #: Tenant names become parts of request ids and Redis hash tags: no braces, no `~` (the namespace
@@ -52,12 +53,14 @@ def looks_like_key(key: str) -> bool:
 @dataclass(frozen=True)
 class Limits:
     """0 = unlimited. `rps`: requests per second (a bucket of one second's worth); `tpm`: prompt +
-    max output tokens per minute; `max_concurrent`: requests in flight cluster-wide; `disabled`:
-    every request of the tenant is refused (403)."""
+    max output tokens per minute; `max_concurrent`: requests in flight cluster-wide;
+    `max_priority`: the highest `x-flexlb-priority` class the tenant's requests get (a higher one
+    asked for is lowered to it); `disabled`: every request of the tenant is refused (403)."""
 
     rps: float = 0.0
     tpm: int = 0
     max_concurrent: int = 0
+    max_priority: str = DEFAULT_MAX_PRIORITY
     disabled: bool = False
 
     @property
@@ -65,7 +68,7 @@ class Limits:
         return self.rps > 0 or self.tpm > 0 or self.max_concurrent > 0
 
 
-_LIMIT_FIELDS = {"rps": float, "tpm": int, "max_concurrent": int, "disabled": bool}
+_LIMIT_FIELDS = {"rps": float, "tpm": int, "max_concurrent": int, "max_priority": str, "disabled": bool}
 
 
 def parse_limits(raw: dict[str, Any]) -> Limits:
@@ -77,6 +80,8 @@ def parse_limits(raw: dict[str, Any]) -> Limits:
     lim = Limits(**kw)
     if lim.rps < 0 or lim.tpm < 0 or lim.max_concurrent < 0:
         raise ValueError("limits must be >= 0")
+    if lim.max_priority not in PRIORITIES:
+        raise ValueError(f"max_priority must be one of {', '.join(PRIORITIES)}")
     return lim
 
 

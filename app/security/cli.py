@@ -41,10 +41,13 @@ def add(
     rps: Annotated[float | None, typer.Option(help="tenant limit: requests per second")] = None,
     tpm: Annotated[int | None, typer.Option(help="tenant limit: prompt + output tokens per minute")] = None,
     max_concurrent: Annotated[int | None, typer.Option(help="tenant limit: requests in flight")] = None,
+    max_priority: Annotated[
+        str | None, typer.Option(help="highest x-flexlb-priority: bulk, default, interactive, system")
+    ] = None,
 ) -> None:
     """Create a key for TENANT and print it (once: only its hash is stored). Limits given here
     apply to the whole tenant, live on every replica."""
-    given = {"rps": rps, "tpm": tpm, "max_concurrent": max_concurrent}
+    given = {"rps": rps, "tpm": tpm, "max_concurrent": max_concurrent, "max_priority": max_priority}
     limits = {k: v for k, v in given.items() if v is not None}
 
     async def go(ks: KeyStore) -> tuple[str, Any]:

@@ -115,34 +115,59 @@ class BodyLimit:
 
 #: Paths whose POSTs run a generation: the ones the per-replica cap counts.
 _CAPPED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
+#: Priority classes, lowest first (`x-flexlb-priority`), and the share of the replica's cap each
+#: may fill: under overload the lower classes are refused first, and `system` always has room
+#: the others cannot take.
+PRIORITIES = ("bulk", "default", "interactive", "system")
+CAP_SHARE = {"bulk": 0.5, "default": 0.8, "interactive": 0.95, "system": 1.0}
+#: What a caller may ask for when no tenant grants more (FLEXLB_AUTH=none, or the tenant default).
+DEFAULT_MAX_PRIORITY = "interactive"
+
+
+def _header(scope: Any, name: bytes) -> str | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return str(v.decode("latin-1"))
+    return None
 
 
 class ConcurrencyCap:
     """At most `limit` generation requests in flight on this replica (a stream counts until its last
-    byte); the next one gets 429 `overloaded` with `Retry-After: 1` before its body is read, so
-    an overloaded replica spends nothing on work it cannot start. 0 turns the cap off."""
+    byte); past it 429 `overloaded` with `Retry-After: 1` before the body is read, so an overloaded
+    replica spends nothing on work it cannot start. 0 turns the cap off.
+
+    Each priority class may fill its share of the cap (`CAP_SHARE`): the class comes from
+    `x-flexlb-priority`, clamped to what the caller may ask for (`state["max_priority"]`, set by
+    the tenant gate from the tenant's limits), and is left in `state["priority"]`."""
 
     def __init__(self, app: Any, limit: int) -> None:
         self.app = app
         self.limit = limit
         self.in_flight = 0
+        self._limits = {c: max(1, int(limit * share)) for c, share in CAP_SHARE.items()}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if (
-            self.limit <= 0
-            or scope["type"] != "http"
-            or scope["method"] != "POST"
-            or not scope["path"].startswith(_CAPPED_PREFIXES)
-        ):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_CAPPED_PREFIXES):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.limit:
+        state = scope.setdefault("state", {})
+        asked = _header(scope, b"x-flexlb-priority") or "default"
+        if asked not in CAP_SHARE:
+            msg = f"x-flexlb-priority: must be one of {', '.join(PRIORITIES)}"
+            await _send_error(send, 400, "invalid_request", "invalid_request_error", msg)
+            return
+        top = state.get("max_priority", DEFAULT_MAX_PRIORITY)
+        cls = PRIORITIES[min(PRIORITIES.index(asked), PRIORITIES.index(top))]
+        state["priority"] = cls
+        if self.limit > 0 and self.in_flight >= self._limits[cls]:
             await _send_error(
                 send,
                 429,
                 "overloaded",
                 "rate_limit_error",
-                f"this replica has {self.limit} requests in flight; retry shortly or on another",
+                f"this replica has {self.in_flight} requests in flight, the most class {cls!r} may "
+                "join; retry shortly or on another",
                 [(b"retry-after", b"1")],
             )
             return

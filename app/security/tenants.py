@@ -172,11 +172,13 @@ class TenantGate:
             msg = "missing API key: send 'Authorization: Bearer <key>'" if not key else "invalid API key"
             await _reply(send, ApiError("unauthorized", msg))
             return
-        if self.tenants.limits_of(rec.tenant).disabled:
+        limits = self.tenants.limits_of(rec.tenant)
+        if limits.disabled:
             await _reply(send, ApiError("forbidden", f"tenant {rec.tenant!r} is disabled"))
             return
         state = scope.setdefault("state", {})
         state["tenant"] = rec.tenant
+        state["max_priority"] = limits.max_priority  # the cap clamps x-flexlb-priority to it
 
         async def send_with_headers(msg: Any) -> None:
             if msg["type"] == "http.response.start":
