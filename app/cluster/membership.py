@@ -28,6 +28,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
+from app.cluster.loops import LoopHealth
 from app.state.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,7 @@ class Membership:
         ttl_ms: int = 3000,
         *,
         version: str = "",
+        loops: LoopHealth | None = None,
     ) -> None:
         if heartbeat_ms <= 0 or ttl_ms <= heartbeat_ms:
             raise ValueError("membership needs 0 < heartbeat_ms < ttl_ms (a live replica must beat its TTL)")
@@ -150,6 +152,7 @@ class Membership:
         self.heartbeat_ms = heartbeat_ms
         self.ttl_ms = ttl_ms
         self.version = version
+        self.loops = loops or LoopHealth()
         self.started_ms = int(time.time() * 1000)
         self.last_ok: float | None = None  # monotonic time of the last successful heartbeat
         self._stop = asyncio.Event()
@@ -224,8 +227,11 @@ class Membership:
             try:
                 async with asyncio.timeout(period):
                     await self.heartbeat_once()
-            except Exception as e:  # TimeoutError included
-                log.warning("membership heartbeat failed for %s: %r", self.replica_id, e)
+                self.loops.ok("membership")
+            except Exception as e:  # TimeoutError included; counted, retried on the next beat
+                # No extra backoff here: a heartbeat that waits longer than its period is a missed
+                # heartbeat, and the period already spaces the retries.
+                self.loops.record("membership", e)
             next_at += period
             now = time.monotonic()
             if next_at < now:  # fell behind (slow Redis): beat again now, do not burst to catch up

@@ -9,7 +9,6 @@ changed, not the worker's whole state (upstream lesson 5).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from app.cluster.health import HealthChange, WorkerHealth
+from app.cluster.loops import LoopHealth
 from app.rpc.worker_client import WorkerClient
 from app.state.keys import Keys
 
@@ -60,6 +60,7 @@ class WorkerPoller:
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
         on_records: Callable[[str, list[dict[str, Any]], bool], Awaitable[None]] | None = None,
         on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
+        loops: LoopHealth | None = None,
     ) -> None:
         self.wid = wid
         self.client = client
@@ -73,6 +74,8 @@ class WorkerPoller:
         self.on_health = on_health
         self.on_records = on_records
         self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
+        self.loops = loops or LoopHealth()
+        self.loop_name = f"poller:{wid}"
         self.since_seq = 0
         self.cache_version: int | None = None
         self.last_status: dict[str, Any] = {}
@@ -85,20 +88,30 @@ class WorkerPoller:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"poll:{self.wid}")
+        self.loops.watch(self._task, self.loop_name)
 
     async def stop(self) -> None:
         self._stopping = True
+        self.loops.forget(self.loop_name)
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task})  # never raises: the loop's own errors are counted
 
     async def run(self) -> None:
         while not self._stopping:
             # Lease not valid locally: stop acting (someone else may take over) but do not exit; a
             # late renew can make it valid again, and on_lose stops this loop when it is really gone.
             if self.is_valid():
-                await self.poll_once()
+                try:
+                    await self.poll_once()
+                    self.loops.ok(self.loop_name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # Redis (snapshot, cache diff) failed: the worker's
+                    # gRPC failures never get here (poll_once counts them as health). Back off and
+                    # poll again; the lease stays held, so nobody else would publish for it.
+                    await self.loops.failed(self.loop_name, exc)
+                    continue
             await asyncio.sleep(self.interval_s)
 
     async def poll_once(self) -> None:
@@ -196,6 +209,9 @@ class WorkerPoller:
                     "epoch": epoch,
                     "version": version,
                     "full": int(bool(cache["full"])),
+                    # The version this diff follows: a follower whose mirror is elsewhere lost a
+                    # diff and resyncs (app/cache/follower.py).
+                    "prev": -1 if self.cache_version is None else self.cache_version,
                     "add": pack_keys(cache["added"]),
                     "rem": pack_keys(cache["removed"]),
                 },

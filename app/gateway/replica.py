@@ -24,6 +24,7 @@ from app.cache.follower import MirrorFollower
 from app.cache.mirror import CacheMirror
 from app.cluster.health import HealthChange
 from app.cluster.leases import LeaseManager
+from app.cluster.loops import LoopHealth
 from app.cluster.membership import Membership
 from app.cluster.poller import WorkerPoller
 from app.cluster.registry import Registry, WorkerSpec
@@ -37,6 +38,7 @@ from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
 from app.state.keys import Keys
 from app.state.resp import RespConnection
+from app.state.retry import TerminalWrites
 from app.state.store import StateStore
 from app.tokens.tokenizer import load_tokenizer
 
@@ -57,6 +59,10 @@ class Replica:
         self.replica_id = settings.replica_id or default_replica_id()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.keys = Keys(settings.cluster)
+        # Every background loop reports here (errors counted, backoff, /readyz names a loop that
+        # cannot run); terminal writes that Redis refused wait in `terminal` (issue 14).
+        self.loops = LoopHealth()
+        self.terminal = TerminalWrites(self.loops)
         self.redis = aioredis.from_url(
             redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, max_connections=512
         )
@@ -78,6 +84,7 @@ class Replica:
             self.address,
             settings.heartbeat_ms,
             settings.member_ttl_ms,
+            loops=self.loops,
         )
         self.leases = LeaseManager(
             self.control_redis,
@@ -89,6 +96,7 @@ class Replica:
             on_lose=self._on_lose,
             on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
             on_master_lose=lambda: self._lease_metric("master", "lost"),
+            loops=self.loops,
         )
         self.mirror = CacheMirror(settings.speculative_ttl_ms)
         self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
@@ -98,6 +106,7 @@ class Replica:
             self.keys,
             self.mirror,
             lambda: self.prefill_ids(),
+            loops=self.loops,
         )
         self.clients: dict[str, WorkerClient] = {}
         self.pollers: dict[str, WorkerPoller] = {}
@@ -110,9 +119,11 @@ class Replica:
         self.decode_strategy = make_decode_strategy(settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
-        self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
+        self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(self)
-        self.notify = NotifyListener(redis_url, self.keys, self.replica_id, self.pipeline.cancel_local)
+        self.notify = NotifyListener(
+            redis_url, self.keys, self.replica_id, self.pipeline.cancel_local, self.loops
+        )
         self.redis_ok = False
         self.redis_reason = "not connected yet"
         self.cluster_epoch: str | None = None
@@ -144,6 +155,7 @@ class Replica:
             reasons.append("no live prefill worker")
         if not any(self.worker_up(w) for w in self.decode_ids()):
             reasons.append("no live decode worker")
+        reasons += self.loops.problems()
         return not reasons, reasons
 
     def client(self, wid: str) -> WorkerClient:
@@ -197,8 +209,14 @@ class Replica:
         self.membership.start()
         self.leases.start()
         self.follower.start()
-        for coro in (self._redis_watch(), self._refresh_loop(), self._master_loop()):
-            self._tasks.append(asyncio.create_task(coro))
+        for name, coro in (
+            ("redis_watch", self._redis_watch()),
+            ("refresh", self._refresh_loop()),
+            ("master", self._master_loop()),
+        ):
+            task = asyncio.create_task(coro, name=name)
+            self.loops.watch(task, name)
+            self._tasks.append(task)
 
     async def _connect(self) -> None:
         deadline = time.monotonic() + 10
@@ -246,9 +264,8 @@ class Replica:
         self.draining = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks)  # never raises; a loop that died was reported by watch
         for p in list(self.pollers.values()):
             await _stop_poller(p)
         self.pollers.clear()
@@ -258,6 +275,7 @@ class Replica:
         await self.replies.stop()
         await self.notify.stop()
         await self.follower.stop()
+        await self.terminal.stop()
         with contextlib.suppress(Exception):
             if drain:
                 await self.leases.drain()
@@ -311,6 +329,7 @@ class Replica:
             else (lambda: not self.draining and wid in self.leases.owned()),
             on_health=self._on_health,
             on_status=self._audit,
+            loops=self.loops,
         )
         self.pollers[wid] = poller
         poller.start()
@@ -327,6 +346,8 @@ class Replica:
                 formula=lambda: self.formula,
                 time_scale=lambda: float(self.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0),
                 on_worker_error=lambda w: None,
+                loops=self.loops,
+                terminal=self.terminal,
             )
             self.dispatchers[wid] = d
             d.start()
@@ -408,8 +429,10 @@ class Replica:
                 await self.apply_runtime_config()
                 M.OWNED_WORKERS.set(len(self.leases.owned()))
                 M.IS_MASTER.set(1 if self.leases.is_master() else 0)
-            except Exception as exc:
-                log.debug("refresh failed: %s", exc)
+                self.loops.ok("refresh")
+            except Exception as exc:  # keep the last views; count, back off, retry
+                await self.loops.failed("refresh", exc)
+                continue
             await asyncio.sleep(interval)
 
     async def _redis_watch(self) -> None:
@@ -425,7 +448,10 @@ class Replica:
                     log.info("redis reachable again")
                 self.redis_ok, self.redis_reason = True, ""
                 M.REDIS_UP.set(1)
+                self.loops.ok("redis_watch")
             except Exception as exc:
+                # Counted, not backed off: this loop *is* the probe that says when Redis is back.
+                self.loops.record("redis_watch", exc)
                 if self.redis_ok:
                     log.error("redis unreachable: %s", exc)
                 self.redis_ok, self.redis_reason = False, str(exc) or type(exc).__name__
@@ -468,8 +494,9 @@ class Replica:
                     await self.reap_origin(dead)
                     M.REAPED_REPLICAS.inc()
                     log.warning("reaped dead replica %s", dead)
-            except Exception as exc:
-                log.debug("master loop: %s", exc)
+                self.loops.ok("master")
+            except Exception as exc:  # the next period retries; reaping is idempotent
+                self.loops.record("master", exc)
 
     async def reap_origin(self, dead: str) -> int:
         """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live

@@ -9,7 +9,6 @@ So a request either completes or ends with a typed error, and nothing stays held
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -248,9 +247,9 @@ class Pipeline:
         reservation — so the hand-off is the second and last round trip before prefill."""
         r = self.r
         rid = req.request_id
-        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
         dec = p.decode_worker
+        fields = self._record_fields(req, p)
+        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             ["EVALSHA", r.store.sha("create_request"), 1, r.keys.request(rid), *args],
@@ -278,6 +277,23 @@ class Pipeline:
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
 
+    def _record_fields(self, req: GenRequest, p: Progress) -> dict[str, Any]:
+        """The record carries its holds from creation (issue 14): the decode worker and the
+        tokens held there, and the prefill worker when already chosen — so the reconciler and the
+        reaper of a dead origin can release them without trusting the origin to have written its
+        terminal state."""
+        fields: dict[str, Any] = {
+            "endpoint": req.endpoint,
+            "input_tokens": len(req.input_ids),
+            "trace_id": req.trace_id,
+        }
+        if p.decode_worker:
+            fields["decode_worker"] = p.decode_worker
+            fields["decode_tokens"] = len(req.input_ids) + req.max_new_tokens
+        if p.prefill_worker:
+            fields["prefill_worker"] = p.prefill_worker
+        return fields
+
     async def _record_and_append(
         self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
     ) -> tuple[str | None, float, int]:
@@ -286,7 +302,8 @@ class Pipeline:
         queued ms, decode hold: 1 new / 0 refused / -1 no decode)."""
         r = self.r
         rid = req.request_id
-        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
+        p.prefill_worker = wid
+        fields = self._record_fields(req, p)
         scripts = r.store._scripts
         dec = p.decode_worker
         need = len(req.input_ids) + req.max_new_tokens
@@ -365,6 +382,9 @@ class Pipeline:
             M.DECODE_RESERVE_RETRIES.inc()
             if await r.store.reserve(dec.worker_id, req.request_id, need, cap):
                 p.decode_worker = dec.worker_id
+                # The record names where the hold is (the reconciler and the reaper release it
+                # from there); the first choice held nothing.
+                await r.redis.hset(r.keys.request(req.request_id), "decode_worker", dec.worker_id)
                 return True
             refused.add(dec.worker_id)
         return False
@@ -596,7 +616,11 @@ class Pipeline:
         cmds.append(["SREM", r.keys.origin_requests(r.replica_id), rid])
         fields = {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
         cmds.append(r.store.transition_cmd(rid, state, fields, outcome=outcome))
-        await self._round_trip(cmds)
+        # Never lost, never fatal (issue 14): a final round trip Redis did not answer is retried
+        # from the replica's bounded queue (every command here is idempotent for this id). The
+        # client's answer does not wait for it — a stream that sent its last token ends with its
+        # finish_reason even while Redis restarts.
+        await r.terminal.run_or_queue(f"finish {rid}", lambda: self._round_trip(cmds))
         p.stage = "done"
         self._log(
             state, req, p, code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else ""
@@ -618,25 +642,31 @@ class Pipeline:
         self._observe(req, p, err.code)
         if p.stage in ("new", "done"):
             return
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._abort_inner(req, p, state, err))
+        # Shielded so a second cancel cannot cut the clean-up short. It raises nothing it can
+        # name: state writes that fail are queued for retry, engine cancels that fail are logged
+        # (the engine ends streams whose consumer vanished, and KV handles expire). Anything else
+        # is a bug and must surface, not be swallowed around a state change.
+        await asyncio.shield(self._abort_inner(req, p, state, err))
 
     async def _abort_inner(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
         r = self.r
         rid = req.request_id
         if p.stage == "handed_off" and p.prefill_worker:
             # Queued: the tombstone makes the owner's commit drop it. Dispatched: the engine cancels.
-            with contextlib.suppress(Exception):
-                await r.store.tombstone(p.prefill_worker, rid, 60_000)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+            wid = p.prefill_worker
+            await r.terminal.run_or_queue(f"tombstone {rid}", lambda: r.store.tombstone(wid, rid, 60_000))
+            await self._cancel_on(wid, rid)
         if p.stage == "decoding" and p.decode_worker:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.decode_worker).cancel(rid), 2.0)
+            await self._cancel_on(p.decode_worker, rid)
         if p.stage == "prefilled" and p.prefill_worker:  # KV pinned on prefill, decode never fetched it
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+            await self._cancel_on(p.prefill_worker, rid)
         await self._finish(req, p, state, self._outcome(req, p, state, err))
+
+    async def _cancel_on(self, wid: str, rid: str) -> None:
+        try:
+            await asyncio.wait_for(self.r.client(wid).cancel(rid), 2.0)
+        except (WorkerUnavailable, TimeoutError) as exc:
+            log.info("cancel of %s on %s failed: %s", rid, wid, exc, extra={"request_id": rid})
 
     def _release_prefill_kv(self, wid: str, rid: str, epoch: str) -> None:
         async def release() -> None:
