@@ -57,7 +57,9 @@ class FaultProxy:
     # ---- the proxy ------------------------------------------------------------------------
     def _serve(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._client, "127.0.0.1", self.port))
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._client, "127.0.0.1", self.port)
+        )
         self._ready.set()
         self._loop.run_forever()
 
