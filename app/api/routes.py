@@ -133,10 +133,22 @@ async def _collect(r: Any, req: GenRequest) -> dict[str, Any]:
 
 
 def _stored(outcome: dict[str, Any]) -> dict[str, Any]:
-    if outcome.get("state") != "completed":
+    """The stored outcome of a finished request as the answer to a retry of its id: the result
+    when it completed, else its typed error. Records written before errors were objects carry a
+    plain string; the state then names the code (`owner_lost`), never a 500."""
+    state = str(outcome.get("state", ""))
+    if state != "completed":
         err = outcome.get("error") or {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+        default_code = {
+            "owner_lost": "owner_lost",
+            "timed_out": "deadline_exceeded",
+            "cancelled": "cancelled",
+        }
         raise ApiError(
-            err.get("code", "internal"), err.get("message", f"request ended {outcome.get('state')}")
+            str(err.get("code") or default_code.get(state, "worker_error")),
+            str(err.get("message") or f"request ended {state}"),
         )
     return outcome
 

@@ -27,6 +27,7 @@ from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.membership import Membership
 from app.cluster.poller import WorkerPoller
+from app.cluster.reconciler import Reconciler
 from app.cluster.registry import Registry, WorkerSpec
 from app.config import Settings
 from app.dispatch.owner import OwnerDispatcher
@@ -119,6 +120,9 @@ class Replica:
         self.decode_strategy = make_decode_strategy(settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
+        self.reconciler = Reconciler(
+            self.redis, self.keys, self.store, self.membership.live_members, lambda: self.workers
+        )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(self)
         self.notify = NotifyListener(
@@ -206,6 +210,8 @@ class Replica:
             await self.registry.add(self.seed_workers)
         await self.refresh_registry()
         await self.membership.heartbeat_once()
+        # Known to the reconciler from now on: if this replica dies, its leftovers are found here.
+        await self.redis.sadd(self.keys.replicas_seen, self.replica_id)
         self.membership.start()
         self.leases.start()
         self.follower.start()
@@ -478,11 +484,13 @@ class Replica:
         await self.store.load_scripts()
         await self.registry.add(specs)
         await self.membership.heartbeat_once()
+        await self.redis.sadd(self.keys.replicas_seen, self.replica_id)
         for p in self.pollers.values():
             p.cache_version = None
             p.since_seq = 0
 
     async def _master_loop(self) -> None:
+        next_reconcile = 0.0
         while not self.draining:
             await asyncio.sleep(self.settings.heartbeat_ms / 1000)
             if not self.leases.is_master():
@@ -494,24 +502,18 @@ class Replica:
                     await self.reap_origin(dead)
                     M.REAPED_REPLICAS.inc()
                     log.warning("reaped dead replica %s", dead)
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + self.settings.reconcile_interval_ms / 1000
+                    await self.reconciler.run_once()
                 self.loops.ok("master")
             except Exception as exc:  # the next period retries; reaping is idempotent
                 self.loops.record("master", exc)
 
     async def reap_origin(self, dead: str) -> int:
         """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live
-        requests ends `owner_lost` and every hold (decode reservation) is released."""
-        ids = [_s(x) for x in await self.redis.smembers(self.keys.origin_requests(dead))]
-        n = 0
-        for rid in ids:
-            rec = await self.store.get_request(rid)
-            if rec is not None:
-                if rec.get("decode_worker"):
-                    await self.store.release(rec["decode_worker"], rid)
-                if await self.store.transition(rid, "owner_lost", outcome={"error": "origin replica died"}):
-                    n += 1
-            await self.redis.srem(self.keys.origin_requests(dead), rid)
-        return n
+        requests ends `owner_lost`, its hold is released and its queued prefill tombstoned (the
+        reconciler's step, run at once when the master reaps the replica)."""
+        return await self.reconciler.end_origin(dead, {}, self.prefill_ids())
 
 
 BATCHER_KEYS = {

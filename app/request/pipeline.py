@@ -204,7 +204,7 @@ class Pipeline:
         except ApiError as err:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
-            elif err.code in ("no_worker", "draining"):  # refused before any state was written
+            elif err.code in ("no_worker", "draining", "overloaded"):  # refused before any state was written
                 self._observe(req, p, err.code)
             raise
         except RedisError as exc:  # fail_closed: shared state unreachable mid-request
@@ -233,13 +233,16 @@ class Pipeline:
         KV reservation rides in the record's round trip. `max_tokens: 1` never touches decode."""
         if req.max_new_tokens <= 1:
             return
+        views = self.views("decode")
         try:
             dq = DecodeQuery(len(req.input_ids), req.max_new_tokens)
-            p.decode_worker = self.r.decode_strategy.choose(dq, self.views("decode"), self.rng).worker_id
+            p.decode_worker = self.r.decode_strategy.choose(dq, views, self.rng).worker_id
         except NoWorker as exc:
-            raise ApiError(
-                "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
-            ) from None
+            need = len(req.input_ids) + req.max_new_tokens
+            # KV that is full *now* on a worker big enough is load: 429 overloaded, come back
+            # later. Only when no live worker could ever hold it is it 503 no_worker.
+            fits = any(v.up and not v.draining and v.kv_total_tokens >= need for v in views)
+            raise ApiError("overloaded" if fits else "no_worker", str(exc), retry_after_s=1) from None
 
     async def _record(self, req: GenRequest, p: Progress) -> None:
         """One round trip: the lifecycle record (refused when the id exists), this origin's

@@ -36,6 +36,12 @@ class Keys:
         return f"{self.prefix}:lease:fence"
 
     @property
+    def replicas_seen(self) -> str:
+        """SET of every replica id that ever started: the reconciler finds dead replicas' leftovers
+        (reply stream, live set, queue-group consumers) through it without a keyspace SCAN."""
+        return f"{self.prefix}:replicas"
+
+    @property
     def workers(self) -> str:
         """SET of registered worker ids."""
         return f"{self.prefix}:workers"
