@@ -105,6 +105,10 @@ class OwnerDispatcher:
         self.reclaim_idle_ms = reclaim_idle_ms
         self.reclaim_every_s = reclaim_every_s
         self._handling: set[str] = set()  # entry ids read and not yet answered by us
+        # Set after the first claim: XAUTOCLAIM takes entries pending for *any* consumer, us
+        # included, so reading new entries before it would hand the claim our own fresh entries
+        # to "redispatch" (cancelling their running batch on the worker).
+        self._claimed_once = asyncio.Event()
         self.reclaimed = 0
         # Blocking stream reads get their own connection (DESIGN §5): the lean one for the
         # hand-off reads (on every request's path, app/state/resp.py), redis-py for the rest and
@@ -237,6 +241,7 @@ class OwnerDispatcher:
         name = f"owner_read:{self.wid}"
         key = self.store.keys.queue(self.wid)
         need_group = True
+        await self._claimed_once.wait()
         while not self._stopping and not self._draining:
             if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
                 await asyncio.sleep(0.1)
@@ -284,10 +289,11 @@ class OwnerDispatcher:
             try:
                 if first:
                     await self.handoff.ensure_group(self.wid)
-                n = await self._claim_pending(key, 0 if first else self.reclaim_idle_ms, skip_own=not first)
+                n = await self._claim_pending(key, 0 if first else self.reclaim_idle_ms)
                 if not first:
                     self.reclaimed += n
                 first = False
+                self._claimed_once.set()
                 self.loops.ok(name)
             except asyncio.CancelledError:
                 raise
@@ -296,12 +302,12 @@ class OwnerDispatcher:
                 continue
             await asyncio.sleep(self.reclaim_every_s)
 
-    async def _claim_pending(self, key: str, min_idle_ms: int = 0, *, skip_own: bool = False) -> int:
+    async def _claim_pending(self, key: str, min_idle_ms: int = 0) -> int:
         """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
         over the previous owner's pending entries. Each is delivered from the worker's finished
         record, adopted if the worker has it queued or running, or — never seen by the worker —
-        its old batch is tombstoned and it is dispatched once. With `skip_own`, entries a task of
-        ours is still handling (in the batcher, in a batch in flight) are left alone."""
+        its old batch is tombstoned and it is dispatched once. Entries a task of ours is still
+        handling (in the batcher, in a batch in flight) are left alone."""
         claimed: list[QueueItem] = []
         cursor = "0-0"
         while self.lease.is_valid():
@@ -311,8 +317,7 @@ class OwnerDispatcher:
             claimed += [parse_item(eid, f) for eid, f in entries if f]
             if cursor == "0-0" or not entries:
                 break
-        if skip_own:
-            claimed = [i for i in claimed if i.entry_id not in self._handling]
+        claimed = [i for i in claimed if i.entry_id not in self._handling]
         if not claimed:
             return 0
         for item in claimed:
