@@ -360,6 +360,7 @@ for _loop in (
     "redis_watch",
     "master",
     "reconciler",
+    "sweep",
     "terminal_writes",
 ):
     LOOP_ERRORS.labels(_loop)
@@ -377,6 +378,7 @@ for _kind in (
     "reply_stream_deleted",
     "consumer_deleted",
     "origin_set_deleted",
+    "record_failed",
 ):
     RECONCILED.labels(_kind)
 TERMINAL_WRITES = Counter(

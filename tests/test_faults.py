@@ -215,9 +215,16 @@ def test_case7_one_percent_of_redis_traffic_reset_no_loop_dies_nothing_leaks(
         assert proxy.resets > 0, "no fault was injected"
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
-        assert all(x.code in ("state_unavailable", "worker_error") for x in typed), typed[:5]
+        codes = {x.code for x in typed}
+        assert codes <= {"state_unavailable", "worker_error"}, (
+            codes,
+            [x for x in typed if x.code not in ("state_unavailable", "worker_error")][:3],
+        )
         for g in (a, b):  # no loop died, and every one is running again
-            wait_for(lambda g=g: g.readyz()["ready"], 10, what=f"{g.replica_id} ready again")
+            try:
+                wait_for(lambda g=g: g.readyz()["ready"], 10, what=f"{g.replica_id} ready again")
+            except AssertionError:
+                raise AssertionError(f"{g.replica_id} not ready: {g.readyz()}") from None
         finish(r, keys, [p0, p1], [a.url, b.url])
         for g in (a, b):
             assert "died" not in " ".join(g.readyz()["reasons"])
@@ -291,7 +298,11 @@ def test_case5_redis_sigkill_and_restart_from_aof_ends_everything_and_recovers(
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
-        assert all(x.code in ("state_unavailable", "worker_error") for x in typed), typed[:5]
+        codes = {x.code for x in typed}
+        assert codes <= {"state_unavailable", "worker_error"}, (
+            codes,
+            [x for x in typed if x.code not in ("state_unavailable", "worker_error")][:3],
+        )
         # new requests succeed within 5 s of Redis being back
         late = [x for x in results if x.t0 > t_back + 5]
         assert late and all(x.kind == "ok" for x in late), summary(late)

@@ -168,6 +168,40 @@ class Reconciler:
         self._count(counts, "origin_set_deleted", int(res[1]))
         return ended
 
+    async def sweep_own(self, me: str, running: Callable[[str], bool]) -> dict[str, int]:
+        """Each replica's own sweep (not the master's: only the origin knows which of its requests
+        still run). A request in this replica's live set that no task here runs any more, with no
+        terminal write waiting in the retry queue, was left behind by a failure between its record
+        and its clean-up (a round trip that applied in Redis but whose answer was lost): end it
+        `failed` (state_unavailable), release its hold, tombstone its prefill. Records of another
+        origin (a refused duplicate id) are only removed from our set."""
+        counts: dict[str, int] = {}
+        key = self.keys.origin_requests(me)
+        for rid in sorted(_s(x) for x in await self.redis.smembers(key)):
+            if running(rid):
+                continue
+            rec = await self.store.get_request(rid)
+            if running(rid):  # started meanwhile (a retry of the id on this replica)
+                continue
+            if rec is not None and rec.get("origin") == me and rec.get("state") not in TERMINAL:
+                await self._release(rec, rid, counts)
+                if rec.get("prefill_worker"):
+                    await self.store.tombstone(rec["prefill_worker"], rid, 600_000)
+                outcome = {
+                    "error": {
+                        "message": "the request's state was left behind by a Redis failure",
+                        "type": "service_unavailable",
+                        "code": "state_unavailable",
+                        "retryable": True,
+                    }
+                }
+                if await self.store.transition(rid, "failed", outcome=outcome):
+                    self._count(counts, "record_failed")
+            await self.redis.srem(key, rid)
+        if counts:
+            log.warning("own sweep corrected %s", json.dumps(counts), extra={"event": "reconciled"})
+        return counts
+
     async def _release(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
         dec = rec.get("decode_worker")
         if dec and await self.store.release(dec, rid):

@@ -505,6 +505,7 @@ class OwnerDispatcher:
             for i in items:
                 self._handling.discard(i.entry_id)
             return
+        self.loops.ok(f"owner_dispatch:{self.wid}")
         for rid in set(by_id) - set(kept):  # cancelled while queued: tombstoned before the commit
             await self._reply(
                 by_id[rid], batch_id, {"status": "cancelled", "error": "cancelled while queued"}

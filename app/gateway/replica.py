@@ -490,9 +490,16 @@ class Replica:
             p.since_seq = 0
 
     async def _master_loop(self) -> None:
-        next_reconcile = 0.0
+        next_reconcile = next_sweep = 0.0
         while not self.draining:
             await asyncio.sleep(self.settings.heartbeat_ms / 1000)
+            if time.monotonic() >= next_sweep:  # every replica, for its own requests
+                next_sweep = time.monotonic() + self.settings.reconcile_interval_ms / 1000
+                try:
+                    await self.reconciler.sweep_own(self.replica_id, self._running)
+                    self.loops.ok("sweep")
+                except Exception as exc:  # the next period retries; the sweep is idempotent
+                    self.loops.record("sweep", exc)
             if not self.leases.is_master():
                 continue
             try:
@@ -508,6 +515,10 @@ class Replica:
                 self.loops.ok("master")
             except Exception as exc:  # the next period retries; reaping is idempotent
                 self.loops.record("master", exc)
+
+    def _running(self, rid: str) -> bool:
+        """A request this replica still runs, or whose terminal write waits for Redis."""
+        return rid in self.pipeline.live or self.terminal.pending(f"finish {rid}")
 
     async def reap_origin(self, dead: str) -> int:
         """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live

@@ -52,12 +52,24 @@ class TerminalWrites:
         self.max_len = max_len
         self.ttl_s = ttl_s
         self._q: deque[_Write] = deque()
+        self._names: dict[str, int] = {}  # what → queued count, for `pending`
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
     def __len__(self) -> int:
         return len(self._q)
+
+    def pending(self, what: str) -> bool:
+        """A write of this name waits in the queue (its effect is still to come)."""
+        return what in self._names
+
+    def _forget(self, w: _Write) -> None:
+        n = self._names.get(w.what, 0) - 1
+        if n > 0:
+            self._names[w.what] = n
+        else:
+            self._names.pop(w.what, None)
 
     async def run_or_queue(
         self, what: str, run: Callable[[], Awaitable[Any]], ttl_s: float | None = None
@@ -80,9 +92,11 @@ class TerminalWrites:
         if len(self._q) >= self.max_len:
             # Bounded: the oldest goes (its TTL is the nearest); the reconciler repairs it.
             old = self._q.popleft()
+            self._forget(old)
             M.TERMINAL_WRITES.labels("dropped_full").inc()
             log.error("terminal write queue full (%d): dropped %s", self.max_len, old.what)
         self._q.append(_Write(what, run, time.monotonic() + (self.ttl_s if ttl_s is None else ttl_s)))
+        self._names[what] = self._names.get(what, 0) + 1
         M.TERMINAL_WRITES.labels("queued").inc()
         log.warning("terminal write %s failed (%r): queued for retry", what, exc)
         self._wake.set()
@@ -104,7 +118,7 @@ class TerminalWrites:
         while self._q:
             w = self._q[0]
             if time.monotonic() > w.expires:
-                self._q.popleft()
+                self._forget(self._q.popleft())
                 M.TERMINAL_WRITES.labels("expired").inc()
                 log.error("terminal write %s expired unapplied; the reconciler repairs it", w.what)
                 continue
@@ -113,7 +127,7 @@ class TerminalWrites:
             except TRANSIENT as exc:
                 await self.loops.failed("terminal_writes", exc)
                 return len(self._q)
-            self._q.popleft()
+            self._forget(self._q.popleft())
             M.TERMINAL_WRITES.labels("applied").inc()
             self.loops.ok("terminal_writes")
         return 0
