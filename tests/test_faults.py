@@ -316,3 +316,39 @@ def test_case5_redis_sigkill_and_restart_from_aof_ends_everything_and_recovers(
         a.stop()
         b.stop()
         own.stop()
+
+
+def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, tmp_path) -> None:
+    pool = workers_reset
+    p0, p1, d = wid(pool["prefill"][0]), wid(pool["prefill"][1]), wid(pool["decode"][0])
+    own = OwnRedis(tmp_path)
+    cluster = f"t-f5b-{uuid.uuid4().hex[:6]}"
+    a, b = start_two(tmp_path, own.url, cluster, [p0, p1, d])
+    keys = Keys(cluster)
+    try:
+        slow_prefill(pool, "20")
+        load = Load(lambda: [a.url, b.url]).start()
+        time.sleep(3)
+        own.kill()
+        for f in own.dir.rglob("*"):  # everything it had is gone
+            if f.is_file():
+                f.unlink()
+        own.start()
+        t_back = time.monotonic()
+        time.sleep(7)
+        results = load.stop()
+        s = summary(results)
+        assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
+        late = [x for x in results if x.t0 > t_back + 5]
+        assert late and all(x.kind == "ok" for x in late), summary(late)
+        assert a.get("/metrics").status_code == 200
+        r = redis.Redis.from_url(own.url)
+        try:
+            assert r.scard(keys.workers) == 3  # the registry was put back
+            finish(r, keys, [p0, p1], [a.url, b.url])
+        finally:
+            r.close()
+    finally:
+        a.stop()
+        b.stop()
+        own.stop()
