@@ -30,6 +30,9 @@ class Settings(BaseSettings):
     reconcile_interval_ms: int = Field(
         2000, description="master's reconciler period (leaked holds, dead origins, queued_ms drift)"
     )
+    reconcile_forget_s: float = Field(
+        60.0, description="a dead replica's reply stream and consumers are deleted after this long"
+    )
     redis_policy: str = Field("fail_closed", description="behaviour when Redis is unreachable")
     model: str = Field("flexlb-sim", description="served model name (`/v1/models`); others are 404")
     tokenizer: str | None = Field(None, description="path of a local tokenizer.json; unset → byte tokenizer")

@@ -10,11 +10,13 @@ front of the real Redis — tests/faultproxy.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,7 +32,16 @@ from .conftest import start_worker, worker_call
 from .faultproxy import FaultProxy
 from .gateways import Gateway, free_port, start_gateway, wait_for
 
-GW_ENV = {"FLEXLB_RECONCILE_INTERVAL_MS": "500"}
+GW_ENV = {"FLEXLB_RECONCILE_INTERVAL_MS": "500", "FLEXLB_RECONCILE_FORGET_S": "8"}
+
+
+def report(results) -> None:  # type: ignore[no-untyped-def]
+    """One line of the fault-suite table (case, sent, ok, typed, hung, lost; shown with -s)."""
+    import inspect
+
+    case = inspect.stack()[1].function.split("_")[1]
+    codes = Counter(x.code for x in results if x.kind == "typed")
+    print(f"\n[chaos] {case}: {summary(results)} typed codes {dict(codes)}")
 
 
 def wid(w) -> str:  # type: ignore[no-untyped-def]
@@ -103,6 +114,7 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
         b.kill()
         time.sleep(7)
         results = load.stop()
+        report(results)
         on_a = [x for x in results if x.gw == a.url]
         on_b = [x for x in results if x.gw == b.url]
         bad = [x for x in on_a if x.kind != "ok"]
@@ -115,7 +127,10 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
                 st = r.hget(keys.request(x.rid), "state")
                 assert st is None or st.decode() in ("owner_lost", "completed", "failed", "cancelled"), st
         finish(r, keys, [p0, p1], [a.url])
-        wait_for(lambda: not r.exists(keys.replies(b.replica_id)), 5, what="dead replica's reply stream gone")
+        wait_for(
+            lambda: not r.exists(keys.replies(b.replica_id)), 15, what="dead replica's reply stream gone"
+        )
+        wait_for(lambda: not r.sismember(keys.replicas_seen, b.replica_id), 5, what="dead replica forgotten")
         metrics = a.get("/metrics").text
         assert 'flexlb_loop_errors_total{loop="owner_decide"} 0.0' in metrics
     finally:
@@ -145,6 +160,7 @@ def test_case3_sigkill_of_a_prefill_worker_mid_batch_retries_or_types_every_requ
         own.kill_hard()
         time.sleep(6)
         results = load.stop()
+        report(results)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -181,6 +197,7 @@ def test_case4_sigkill_of_a_decode_worker_mid_stream_ends_streams_typed(
         own.kill_hard()
         time.sleep(5)
         results = load.stop()
+        report(results)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -211,6 +228,7 @@ def test_case7_one_percent_of_redis_traffic_reset_no_loop_dies_nothing_leaks(
         time.sleep(10)
         proxy.flaky(0.0)
         results = load.stop()
+        report(results)
         s = summary(results)
         assert proxy.resets > 0, "no fault was injected"
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
@@ -295,6 +313,7 @@ def test_case5_redis_sigkill_and_restart_from_aof_ends_everything_and_recovers(
         t_back = time.monotonic()
         time.sleep(6)
         results = load.stop()
+        report(results)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -337,6 +356,7 @@ def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, 
         t_back = time.monotonic()
         time.sleep(7)
         results = load.stop()
+        report(results)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         late = [x for x in results if x.t0 > t_back + 5]
@@ -352,3 +372,56 @@ def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, 
         a.stop()
         b.stop()
         own.stop()
+
+
+# ---- case 2 -------------------------------------------------------------------------------------
+def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_completions(
+    workers_reset, shared_embedded_redis, tmp_path
+) -> None:
+    pool = workers_reset
+    p0, p1, d = wid(pool["prefill"][0]), wid(pool["prefill"][1]), wid(pool["decode"][0])
+    cluster = f"t-f2-{uuid.uuid4().hex[:6]}"
+    a, b = start_two(tmp_path, shared_embedded_redis, cluster, [p0, p1, d], lambda own, a, b: own[p0] == b)
+    r, keys = redis.Redis.from_url(shared_embedded_redis), Keys(cluster)
+    try:
+        slow_prefill(pool)
+        targets = [a.url, b.url]
+        load = Load(lambda: list(targets)).start()
+        time.sleep(2)
+        targets.remove(b.url)
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        time.sleep(5)  # longer than membership and lease TTLs (3 s): A takes over and reaps B
+        os.kill(b.proc.pid, signal.SIGCONT)
+        targets.append(b.url)
+        time.sleep(4)
+        results = load.stop()
+        report(results)
+        s = summary(results)
+        assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
+        on_a = [x for x in results if x.gw == a.url]
+        assert all(x.kind == "ok" for x in on_a), summary(on_a)
+        # what completed for its client is recorded completed, never owner_lost
+        for x in results:
+            if x.kind == "ok":
+                assert r.hget(keys.request(x.rid), "state") == b"completed", x
+        # nothing ran twice on a prefill engine
+        for w in pool["prefill"]:
+            ran = Counter(
+                f["request_id"]
+                for f in worker_call(w.address, "status", since_seq=0)["finished"]
+                if f["status"] == "ok"
+            )
+            assert all(n == 1 for n in ran.values()), [k for k, n in ran.items() if n > 1]
+        # the zombie stepped down before writing, and is back as a live, ready member
+        assert "stepping down" in b.log() or "lapsed locally" in b.log()
+        wait_for(lambda: b.readyz()["ready"], 10, what="B ready again")
+        assert sorted(a.get("/admin/leases", admin=True).json()["live_replicas"]) == sorted(
+            [a.replica_id, b.replica_id]
+        )
+        finish(r, keys, [p0, p1], [a.url, b.url])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(b.proc.pid, signal.SIGCONT)
+        a.stop()
+        b.stop()
+        r.close()

@@ -153,6 +153,10 @@ class Reconciler:
                     ended += 1
                     self._count(counts, "record_owner_lost")
             await self.redis.srem(key, rid)
+        if not final:
+            # A replica that was only stalled (SIGSTOP, a long pause) comes back to its reply
+            # stream and queue-group consumer: they go only after `forget_after_s` of silence.
+            return ended
         consumers_left = 0
         for wid in prefill:
             consumers_left += await self._drop_consumer(wid, dead, counts)
@@ -161,8 +165,7 @@ class Reconciler:
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.replies(dead))
         pipe.delete(key)
-        if final:
-            pipe.srem(self.keys.replicas_seen, dead)
+        pipe.srem(self.keys.replicas_seen, dead)
         res = await pipe.execute()
         self._count(counts, "reply_stream_deleted", int(res[0]))
         self._count(counts, "origin_set_deleted", int(res[1]))

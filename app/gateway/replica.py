@@ -121,7 +121,12 @@ class Replica:
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
         self.reconciler = Reconciler(
-            self.redis, self.keys, self.store, self.membership.live_members, lambda: self.workers
+            self.redis,
+            self.keys,
+            self.store,
+            self.membership.live_members,
+            lambda: self.workers,
+            forget_after_s=settings.reconcile_forget_s,
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(self)
