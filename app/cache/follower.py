@@ -46,7 +46,7 @@ class MirrorFollower:
 
     async def load(self, wid: str) -> None:
         snap = await self.redis.hgetall(self.keys.cache_snapshot(wid))
-        if snap:
+        if snap and b"keys" in snap:  # (only `last_*` fields before the first full snapshot)
             self.mirror.load_snapshot(
                 wid, _s(snap[b"epoch"]), int(snap[b"version"]), unpack_keys(snap[b"keys"])
             )
@@ -106,7 +106,7 @@ class MirrorFollower:
             "cache diff gap on %s: mirror at v%d, diff follows v%s; resyncing", wid, m_version, _s(prev)
         )
         snap = await self.redis.hgetall(self.keys.cache_snapshot(wid))
-        if snap and _s(snap[b"epoch"]) == epoch and int(snap[b"version"]) >= int(prev):
+        if snap and b"keys" in snap and _s(snap[b"epoch"]) == epoch and int(snap[b"version"]) >= int(prev):
             self.mirror.load_snapshot(wid, epoch, int(snap[b"version"]), unpack_keys(snap[b"keys"]))
             return True
         self._gap.add(wid)

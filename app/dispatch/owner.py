@@ -11,12 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -24,11 +22,13 @@ import redis.asyncio as aioredis
 from app import metrics as M
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
+from app.dispatch.claim import OwnerClaims
+from app.dispatch.items import QueueItem, parse_item
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
-from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.handoff import GROUP, Handoff
 from app.state.resp import RespConnection, stream_entries
 from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import FencedOut, StateStore
@@ -36,37 +36,7 @@ from app.state.store import FencedOut, StateStore
 log = logging.getLogger("flexlb.owner")
 
 
-@dataclass
-class QueueItem:
-    entry_id: str
-    request_id: str
-    origin: str
-    tokens: Any
-    predicted_ms: float
-    deadline_ms: float  # wall ms since the epoch; 0 = none
-    trace_id: str = ""
-    t_handoff: float = 0.0  # wall s when the origin appended it
-    hit_tokens: int = 0  # the origin's expectation from its cache mirror
-    attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
-
-
-def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
-    m = json.loads(f[b"m"])
-    return QueueItem(
-        entry_id=s(entry_id),
-        request_id=str(m["rid"]),
-        origin=str(m["origin"]),
-        tokens=unpack_tokens(f[b"ids"]),
-        predicted_ms=float(m.get("pred", 0.0)),
-        deadline_ms=float(m.get("deadline", 0.0)),
-        trace_id=str(m.get("trace", "")),
-        t_handoff=float(m.get("t", 0.0)),
-        hit_tokens=int(m.get("hit", 0)),
-        attempt=int(m.get("att", 0)),
-    )
-
-
-class OwnerDispatcher:
+class OwnerDispatcher(OwnerClaims):
     def __init__(
         self,
         wid: str,
@@ -274,121 +244,6 @@ class OwnerDispatcher:
                 )
                 self.wake.set()
 
-    async def _claim_loop(self) -> None:
-        """Claim the previous owner's pending entries once the lease is ours (min idle 0), then
-        every `reclaim_every_s` re-claim entries idle for `reclaim_idle_ms` that no task of ours is
-        handling — ours whose reply could not be written, or a stalled consumer's. A failed claim
-        is retried with backoff, logged and counted (`flexlb_loop_errors_total{loop="owner_claim"}`)."""
-        name = f"owner_claim:{self.wid}"
-        key = self.store.keys.queue(self.wid)
-        first = True
-        while not self._stopping and not self._draining:
-            if not self.lease.is_valid():
-                await asyncio.sleep(0.1)
-                continue
-            try:
-                if first:
-                    await self.handoff.ensure_group(self.wid)
-                n = await self._claim_pending(key, 0 if first else self.reclaim_idle_ms)
-                if not first:
-                    self.reclaimed += n
-                first = False
-                self._claimed_once.set()
-                self.loops.ok(name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                await self.loops.failed(name, exc)
-                continue
-            await asyncio.sleep(self.reclaim_every_s)
-
-    async def _claim_pending(self, key: str, min_idle_ms: int = 0) -> int:
-        """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
-        over the previous owner's pending entries. Each is delivered from the worker's finished
-        record, adopted if the worker has it queued or running, or — never seen by the worker —
-        its old batch is tombstoned and it is dispatched once. Entries a task of ours is still
-        handling (in the batcher, in a batch in flight) are left alone."""
-        claimed: list[QueueItem] = []
-        cursor = "0-0"
-        while self.lease.is_valid():
-            self.store.commands_total += 1
-            res = await self._reader.xautoclaim(key, GROUP, self.replica_id, min_idle_ms, cursor, count=256)
-            cursor, entries = s(res[0]), res[1]
-            claimed += [parse_item(eid, f) for eid, f in entries if f]
-            if cursor == "0-0" or not entries:
-                break
-        claimed = [i for i in claimed if i.entry_id not in self._handling]
-        if not claimed:
-            return 0
-        for item in claimed:
-            self._handling.add(item.entry_id)
-        st = await self.client.status(0, timeout=5.0)
-        finished = {r["request_id"]: r for r in st.get("finished", [])}
-        live = {rid for b in st.get("live", []) for rid in b.get("request_ids", [])}
-        ledger = await self.store.read_ledger(self.wid)
-        log.warning(
-            "owner %s: claimed %d pending entries (min idle %d ms)", self.wid, len(claimed), min_idle_ms
-        )
-        for item in claimed:
-            rec = finished.get(item.request_id)
-            old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
-            if rec is not None:
-                M.CLAIMED.labels("delivered").inc()
-                await self._reply(
-                    item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
-                )
-            elif item.request_id in live:
-                M.CLAIMED.labels("adopted").inc()
-                t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
-                self._inflight.add(t)
-                t.add_done_callback(self._inflight.discard)
-            else:
-                M.CLAIMED.labels("redispatched").inc()
-                self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
-                for bid in old_batches:  # a late arrival of the old batch must not run it twice
-                    try:
-                        await self.client.cancel(bid)
-                    except (WorkerUnavailable, TimeoutError) as exc:
-                        # The worker's own tombstone is what we wanted; without it the engine's
-                        # `duplicate` answer for the old batch still keeps it from running twice.
-                        log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
-                    await self.store.settle(self.wid, bid, item.request_id)
-                self.batcher.add(
-                    Pending(
-                        item.request_id,
-                        len(item.tokens),
-                        item.hit_tokens,
-                        time.time() * 1000,
-                        item.predicted_ms * self.time_scale(),
-                        item,
-                    )
-                )
-                self.wake.set()
-        return len(claimed)
-
-    async def _adopt(self, item: QueueItem, batch_id: str) -> None:
-        """The worker is running it for a dead owner: wait for its finished record, then deliver."""
-        since = 0
-        deadline = item.deadline_ms or (time.time() * 1000 + 120_000)
-        while time.time() * 1000 < deadline and self.lease.is_valid():
-            try:
-                st = await self.client.status(since, timeout=5.0)
-            except (WorkerUnavailable, TimeoutError) as exc:  # a blip: the deadline bounds us
-                log.debug("owner %s: adopt status of %s failed: %s", self.wid, item.request_id, exc)
-                await asyncio.sleep(0.2)
-                continue
-            for r in st.get("finished", []):
-                since = max(since, int(r["seq"]))
-                if r["request_id"] == item.request_id:
-                    await self._reply(
-                        item, r["batch_id"], {**r, "epoch": st.get("epoch", ""), "worker": self.wid}
-                    )
-                    return
-            await asyncio.sleep(0.1)
-        await self._reply(
-            item, batch_id, {"status": "worker_error", "error": "adopted request never finished"}
-        )
-
     async def _decide_loop(self) -> None:
         name = f"owner_decide:{self.wid}"
         while not self._stopping:
@@ -585,7 +440,10 @@ class OwnerDispatcher:
             answered.update(i.request_id for i in live)
             raise
         except (WorkerUnavailable, TimeoutError) as exc:
-            if self._stopping:  # grpc.aio turned our own cancel into an RPC error: as above
+            if self._stopping or not self.lease.is_valid():
+                # Our own cancel that grpc.aio turned into an RPC error, or we are a stale owner
+                # (paused past the lease): as above, the entries stay pending for the new owner,
+                # who adopts or dispatches them — a stale failure must not end a running request.
                 answered.update(i.request_id for i in live)
                 return
             if self.on_worker_error is not None:
@@ -595,6 +453,8 @@ class OwnerDispatcher:
                     answered.add(item.request_id)
                     await self._reply(item, batch_id, _failure("worker_error", str(exc)[:300], accepted))
         finally:
+            if not self.lease.is_valid():  # stale: the new owner answers what is left
+                answered.update(i.request_id for i in live)
             for item in live:
                 if item.request_id not in answered:  # _reply never raises: it queues on failure
                     await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))

@@ -341,6 +341,7 @@ class Replica:
             on_health=self._on_health,
             on_status=self._audit,
             loops=self.loops,
+            lease_value=(lambda: lease.value) if lease is not None else None,
         )
         self.pollers[wid] = poller
         poller.start()
