@@ -5,12 +5,14 @@ its stored outcome on every endpoint, streaming included (never 500); every 429/
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 import httpx
 import pytest
 
 from .conftest import worker_call
+from .faultproxy import FaultProxy
 from .gateways import start_gateway, wait_for
 
 MODEL = "flexlb-sim"
@@ -113,3 +115,56 @@ def test_every_429_and_503_carries_retry_after_streaming_included(gw) -> None:  
         assert resp.headers.get("Retry-After") == "1"
     worker_call(dec.address, "reset")
     holder.join(30)
+
+
+def test_cancel_is_durable_when_the_notify_message_is_lost_and_says_what_it_found(
+    workers_reset, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """A cancel sent through A for a request whose origin B is cut off from Redis at that moment:
+    the pub/sub message is lost for good, yet the request ends `cancelled` once B is back (the
+    cancel is recorded in B's cancel set). The answer says running / finished / unknown."""
+    pool = workers_reset
+    spec = ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)
+    proxy = FaultProxy(shared_embedded_redis)
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
+    b = start_gateway(tmp_path, proxy.url, cluster)
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
+        for w in pool["prefill"]:
+            assert worker_call(w.address, "configure", formula="6000")["ok"]
+        rid = f"cx-{uuid.uuid4().hex[:8]}"
+        out: dict[str, httpx.Response] = {}
+        th = threading.Thread(
+            target=lambda: out.setdefault(
+                "r",
+                httpx.post(
+                    b.url + "/v1/generate",
+                    json={
+                        "prompt": "cancel me",
+                        "max_new_tokens": 4,
+                        "request_id": rid,
+                        "timeout_ms": 30_000,
+                    },
+                    timeout=40,
+                ),
+            ),
+            daemon=True,
+        )
+        th.start()
+        wait_for(lambda: a.get(f"/v1/requests/{rid}").status_code == 200, 10, what="recorded")
+        proxy.down()  # B's subscriber is gone: the notify message below reaches no one
+        resp = a.delete(f"/v1/requests/{rid}")
+        assert resp.status_code == 202 and resp.json()["found"] == "running", resp.text
+        time.sleep(0.5)
+        proxy.up()
+        th.join(20)
+        assert not th.is_alive(), "the cancel never reached the request"
+        assert out["r"].json()["error"]["code"] == "cancelled", out["r"].text
+        wait_for(lambda: a.get(f"/v1/requests/{rid}").json()["state"] == "cancelled", 5, what="recorded")
+        again = a.delete(f"/v1/requests/{rid}")
+        assert again.status_code == 200 and again.json()["found"] == "finished", again.text
+        assert a.delete("/v1/requests/never-seen-id").status_code == 404
+    finally:
+        a.stop()
+        b.stop()
+        proxy.close()

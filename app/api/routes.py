@@ -477,18 +477,31 @@ async def get_request(request_id: str, request: Request) -> dict[str, Any]:
 
 @router.delete("/v1/requests/{request_id}")
 async def cancel_request(request_id: str, request: Request) -> JSONResponse:
-    """Cancel from any replica: the origin runs the clean-up (it holds the request's task)."""
+    """Cancel from any replica: the origin runs the clean-up (it holds the request's task).
+
+    Durable (issue 14): the queued prefill is tombstoned at once (its owner's commit drops it), and
+    the cancel is recorded in the origin's cancel set, which the origin drains on its sweep period; the
+    notify message is only the fast path. The answer says what was found: `running` (202),
+    `finished` (200, nothing to cancel), or an unknown id (404)."""
     r = _replica(request)
     rec = await r.store.get_request(request_id)
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
     if rec.get("state") in TERMINAL:
-        return JSONResponse({"request_id": request_id, "state": rec["state"], "cancelled": False})
+        return JSONResponse(
+            {"request_id": request_id, "state": rec["state"], "cancelled": False, "found": "finished"}
+        )
     origin = rec.get("origin", "")
+    if rec.get("prefill_worker"):
+        await r.store.tombstone(rec["prefill_worker"], request_id, 60_000)
     if origin == r.replica_id:
         r.pipeline.cancel_local(request_id)
     else:
-        await r.redis.publish(r.keys.notify(origin), f"cancel:{request_id}")
+        async with r.redis.pipeline(transaction=False) as p:
+            p.sadd(r.keys.cancels(origin), request_id)
+            p.publish(r.keys.notify(origin), f"cancel:{request_id}")
+            await p.execute()
     return JSONResponse(
-        {"request_id": request_id, "state": rec.get("state"), "cancelled": True}, status_code=202
+        {"request_id": request_id, "state": rec.get("state"), "cancelled": True, "found": "running"},
+        status_code=202,
     )

@@ -166,12 +166,15 @@ class Reconciler:
         pipe.delete(self.keys.replies(dead))
         pipe.delete(key)
         pipe.srem(self.keys.replicas_seen, dead)
+        pipe.delete(self.keys.cancels(dead))
         res = await pipe.execute()
         self._count(counts, "reply_stream_deleted", int(res[0]))
         self._count(counts, "origin_set_deleted", int(res[1]))
         return ended
 
-    async def sweep_own(self, me: str, running: Callable[[str], bool]) -> dict[str, int]:
+    async def sweep_own(
+        self, me: str, running: Callable[[str], bool], cancel: Callable[[str], Any] | None = None
+    ) -> dict[str, int]:
         """Each replica's own sweep (not the master's: only the origin knows which of its requests
         still run). A request in this replica's live set that no task here runs any more, with no
         terminal write waiting in the retry queue, was left behind by a failure between its record
@@ -180,6 +183,10 @@ class Reconciler:
         origin (a refused duplicate id) are only removed from our set."""
         counts: dict[str, int] = {}
         key = self.keys.origin_requests(me)
+        if cancel is not None:  # cancels recorded by other replicas (their notify may be lost)
+            for rid in sorted(_s(x) for x in await self.redis.smembers(self.keys.cancels(me))):
+                cancel(rid)
+                await self.redis.srem(self.keys.cancels(me), rid)
         for rid in sorted(_s(x) for x in await self.redis.smembers(key)):
             if running(rid):
                 continue

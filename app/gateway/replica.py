@@ -502,7 +502,9 @@ class Replica:
             if time.monotonic() >= next_sweep:  # every replica, for its own requests
                 next_sweep = time.monotonic() + self.settings.reconcile_interval_ms / 1000
                 try:
-                    await self.reconciler.sweep_own(self.replica_id, self._running)
+                    await self.reconciler.sweep_own(
+                        self.replica_id, self._running, self.pipeline.cancel_local
+                    )
                     self.loops.ok("sweep")
                 except Exception as exc:  # the next period retries; the sweep is idempotent
                     self.loops.record("sweep", exc)

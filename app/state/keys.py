@@ -127,6 +127,11 @@ class Keys:
         """SET of live request ids this replica originated (reaped when it dies)."""
         return self.r(rid, "live")
 
+    def cancels(self, rid: str) -> str:
+        """SET of request ids cancelled through another replica, for this origin to act on: the
+        durable half of a cancel (the notify message is only the fast path, at most once)."""
+        return self.r(rid, "cancels")
+
     # ---- per request -----------------------------------------------------------------------
     def request(self, request_id: str) -> str:
         """HASH lifecycle: state, origin, prefill/decode worker, batch id, outcome JSON; TTL once terminal."""
