@@ -44,6 +44,13 @@ def report(results) -> None:  # type: ignore[no-untyped-def]
     print(f"\n[chaos] {case}: {summary(results)} typed codes {dict(codes)}")
 
 
+def wait_ready(g: Gateway, timeout: float) -> None:
+    try:
+        wait_for(lambda: g.readyz()["ready"], timeout, what=f"{g.replica_id} ready")
+    except AssertionError:
+        raise AssertionError(f"{g.replica_id} not ready: {g.readyz()}") from None
+
+
 def wid(w) -> str:  # type: ignore[no-untyped-def]
     return f"{w.role}@{w.address}"
 
@@ -239,10 +246,7 @@ def test_case7_one_percent_of_redis_traffic_reset_no_loop_dies_nothing_leaks(
             [x for x in typed if x.code not in ("state_unavailable", "worker_error")][:3],
         )
         for g in (a, b):  # no loop died, and every one is running again
-            try:
-                wait_for(lambda g=g: g.readyz()["ready"], 10, what=f"{g.replica_id} ready again")
-            except AssertionError:
-                raise AssertionError(f"{g.replica_id} not ready: {g.readyz()}") from None
+            wait_ready(g, 10)
         finish(r, keys, [p0, p1], [a.url, b.url])
         for g in (a, b):
             assert "died" not in " ".join(g.readyz()["reasons"])
@@ -414,7 +418,7 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
             assert all(n == 1 for n in ran.values()), [k for k, n in ran.items() if n > 1]
         # the zombie stepped down before writing, and is back as a live, ready member
         assert "stepping down" in b.log() or "lapsed locally" in b.log()
-        wait_for(lambda: b.readyz()["ready"], 10, what="B ready again")
+        wait_ready(b, 10)
         assert sorted(a.get("/admin/leases", admin=True).json()["live_replicas"]) == sorted(
             [a.replica_id, b.replica_id]
         )

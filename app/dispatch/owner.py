@@ -185,7 +185,7 @@ class OwnerDispatcher(OwnerClaims):
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks)  # never raises; a loop that died was reported by watch
-        for kind in ("owner_read", "owner_decide", "owner_claim"):
+        for kind in ("owner_read", "owner_decide", "owner_claim", "owner_dispatch"):
             self.loops.forget(f"{kind}:{self.wid}")
         for t in list(self._inflight):
             t.cancel()
