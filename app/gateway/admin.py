@@ -177,6 +177,9 @@ async def get_config(request: Request) -> dict[str, Any]:
         "batch_max_size": bc.max_size,
         "batch_wait_ms": bc.wait_ms,
         "max_inflight_batches": bc.max_inflight_batches,
+        # the request limits, so a trace replay can clip or skip what would be refused
+        "max_new_tokens_limit": r.settings.max_new_tokens_limit,
+        "max_context_tokens": r.settings.max_context_tokens,
     }
     return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 

@@ -214,7 +214,10 @@ class Pipeline:
             await self._abort(req, p, "failed", err)
             raise err from None
         except GeneratorExit:  # the consumer went away (client disconnect)
-            await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
+            # After the last event a consumer that stops iterating closes us here too: that is the
+            # normal end, not a cancel (every completed request was also counted `cancelled`).
+            if p.stage != "done":
+                await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
             raise
         except Exception as exc:
             log.exception("request %s failed", rid, extra={"request_id": rid, "trace_id": req.trace_id})
