@@ -64,6 +64,7 @@ if q > sum + 0.001 * n + 0.01 then
   redis.call('SET', KEYS[2], string.format('%.6f', sum))
   return string.format('%.6f', q - sum)
 end
+if n == 0 then redis.call('SET', KEYS[2], '0.000000') end  -- float dust on an empty queue
 return '0'
 """
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +60,7 @@ class ReplyRouter:
         self.loops.watch(self._task, "replies")
 
     async def _run(self, last: str) -> None:
+        trimmed_at = 0.0
         while True:
             try:
                 self.reads += 1
@@ -69,6 +71,11 @@ class ReplyRouter:
             except Exception as exc:  # Redis away: the owners retry their replies meanwhile
                 await self.loops.failed("replies", exc)
                 continue
+            if entries and time.monotonic() - trimmed_at >= 1.0:
+                # Entries read are delivered (or parked in `_early`): trim them once a second so
+                # the stream stays near empty instead of growing to its MAXLEN cap.
+                trimmed_at = time.monotonic()
+                await self._trim(s(entries[-1][0]))
             for entry_id, f in entries:
                 last = s(entry_id)
                 fields = {s(k): s(v) for k, v in f.items()}
@@ -80,6 +87,12 @@ class ReplyRouter:
                     self._early[rid] = fields
                     while len(self._early) > 10_000:
                         self._early.pop(next(iter(self._early)))
+
+    async def _trim(self, upto: str) -> None:
+        try:
+            await self.redis.xtrim(self.key, minid=upto)
+        except RedisError as exc:  # the next trim catches up
+            log.debug("reply stream trim failed: %s", exc)
 
     async def _read(self, last: str) -> list[tuple[Any, dict[Any, Any]]]:
         if self._lean is not None:
