@@ -31,6 +31,7 @@ from .chaos import Load, assert_clean, fresh_batch, summary
 from .conftest import start_worker, worker_call
 from .faultproxy import FaultProxy
 from .gateways import Gateway, free_port, start_gateway, wait_for
+from .redis_ha import RedisHA
 
 GW_ENV = {"FLEXLB_RECONCILE_INTERVAL_MS": "500", "FLEXLB_RECONCILE_FORGET_S": "8"}
 
@@ -55,9 +56,9 @@ def wid(w) -> str:  # type: ignore[no-untyped-def]
     return f"{w.role}@{w.address}"
 
 
-def start_two(
-    tmp: Path, redis_url: str, cluster: str, wids: list[str], accept=None
-) -> tuple[Gateway, Gateway]:  # type: ignore[no-untyped-def]
+def start_two(  # type: ignore[no-untyped-def]
+    tmp: Path, redis_url: str, cluster: str, wids: list[str], accept=None, via: redis.Redis | None = None
+) -> tuple[Gateway, Gateway]:
     """Two replicas, live before the workers are registered, so each takes what rendezvous hashing
     assigns it; `accept(owners, a, b)` picks replica ids that give the case its ownership."""
     ids = ("gw-a0", "gw-b0")
@@ -75,7 +76,7 @@ def start_two(
     a, b = gws
     wait_for(lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 15, what="2 live")
     assert a.post("/admin/workers", admin=True, json={"workers": ",".join(wids)}).status_code == 200
-    r = redis.Redis.from_url(redis_url)
+    r = via or redis.Redis.from_url(redis_url)  # `via`: a plain client when the URL is Sentinel's
     keys = Keys(cluster)
     want = assign(wids, list(ids))
 
@@ -429,3 +430,40 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
         a.stop()
         b.stop()
         r.close()
+
+
+# ---- case 6 -------------------------------------------------------------------------------------
+def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(workers_reset, tmp_path) -> None:
+    pool = workers_reset
+    p0, p1, d = wid(pool["prefill"][0]), wid(pool["prefill"][1]), wid(pool["decode"][0])
+    ha = RedisHA(tmp_path)
+    cluster = f"t-f6-{uuid.uuid4().hex[:6]}"
+    a, b = start_two(tmp_path, ha.url, cluster, [p0, p1, d], via=ha.master())
+    keys = Keys(cluster)
+    try:
+        slow_prefill(pool, "20")
+        load = Load(lambda: [a.url, b.url]).start()
+        time.sleep(3)
+        old = ha.master_port()
+        ha.kill_master()
+        t_kill = time.monotonic()
+        wait_for(lambda: ha.master_port() not in (None, old), 8, interval=0.1, what="sentinels fail over")
+        failover_s = time.monotonic() - t_kill
+        time.sleep(6)
+        results = load.stop()
+        report(results)
+        print(f"[chaos] case6 failover {failover_s:.1f} s")
+        assert failover_s <= 5.0, failover_s
+        s = summary(results)
+        assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
+        late = [x for x in results if x.t0 > t_kill + failover_s + 5]
+        assert late and all(x.kind == "ok" for x in late), summary(late)
+        r = ha.master()
+        try:
+            finish(r, keys, [p0, p1], [a.url, b.url])
+        finally:
+            r.close()
+    finally:
+        a.stop()
+        b.stop()
+        ha.stop()

@@ -17,8 +17,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from app import metrics as M
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
@@ -28,6 +26,7 @@ from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
+from app.state.connect import redis_client
 from app.state.handoff import GROUP, Handoff
 from app.state.resp import RespConnection, stream_entries
 from app.state.retry import TRANSIENT, TerminalWrites
@@ -83,7 +82,7 @@ class OwnerDispatcher(OwnerClaims):
         # Blocking stream reads get their own connection (DESIGN §5): the lean one for the
         # hand-off reads (on every request's path, app/state/resp.py), redis-py for the rest and
         # for URLs the lean client does not speak.
-        self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
+        self._reader = redis_client(redis_url, socket_timeout=10.0)
         self._lean_reader = RespConnection.from_url(redis_url, timeout_s=10.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()

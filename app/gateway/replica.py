@@ -17,8 +17,6 @@ import time
 import uuid
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from app import metrics as M
 from app.cache.follower import MirrorFollower
 from app.cache.mirror import CacheMirror
@@ -37,6 +35,7 @@ from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
+from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.retry import TerminalWrites
@@ -64,12 +63,12 @@ class Replica:
         # cannot run); terminal writes that Redis refused wait in `terminal` (issue 14).
         self.loops = LoopHealth()
         self.terminal = TerminalWrites(self.loops)
-        self.redis = aioredis.from_url(
+        self.redis = redis_client(
             redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, max_connections=512
         )
         # Heartbeats and lease renewals get their own small pool: a burst of requests exhausting the
         # request path's connections must never make this replica lose its leases.
-        self.control_redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.control_redis = redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         # The origin's one serial round trip (record + reserve + hand-off) runs on a lean pipelined
         # connection (see app/state/resp.py for the measured why); None for URLs it cannot speak
         # (TLS, sentinels), which then take redis-py's pipeline.
@@ -103,7 +102,7 @@ class Replica:
         self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.follower = MirrorFollower(
-            aioredis.from_url(redis_url, socket_timeout=5.0),
+            redis_client(redis_url, socket_timeout=5.0),
             self.keys,
             self.mirror,
             lambda: self.prefill_ids(),

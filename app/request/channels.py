@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from app.cluster.loops import LoopHealth
+from app.state.connect import redis_client
 from app.state.handoff import s
 from app.state.keys import Keys
 from app.state.resp import RespConnection, stream_entries
@@ -28,7 +28,7 @@ class ReplyRouter:
 
     def __init__(self, redis_url: str, keys: Keys, replica_id: str, loops: LoopHealth | None = None) -> None:
         self.loops = loops or LoopHealth()
-        self.redis = aioredis.from_url(redis_url, socket_timeout=10.0)
+        self.redis = redis_client(redis_url, socket_timeout=10.0)
         # The blocking reads go over the lean connection where the URL allows (app/state/resp.py):
         # every request's result comes this way.
         self._lean = RespConnection.from_url(redis_url, timeout_s=10.0)
@@ -124,7 +124,7 @@ class NotifyListener:
         loops: LoopHealth | None = None,
     ) -> None:
         self.loops = loops or LoopHealth()
-        self.redis = aioredis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
         self.channel = keys.notify(replica_id)
         self.on_cancel = on_cancel
         self._task: asyncio.Task[None] | None = None
