@@ -3,7 +3,7 @@ mixed streaming and non-streaming load on both; one fault per case. After every 
 few seconds of the last reply: no non-terminal record, decode hold, ledger entry, queue entry or
 queued time is left, and a fresh batch of 20 requests all succeed (tests/chaos.py).
 
-Cases are short (~10 s of load each) to fit the suite's time budget; the faults are real
+Cases are short (3-8 s of load each, ~20 s with start-up) to fit the suite's time budget; the faults are real
 (SIGKILL, a Redis killed and restarted from its AOF, connections reset on the wire by a proxy in
 front of the real Redis — tests/faultproxy.py).
 """
@@ -117,10 +117,10 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
         slow_prefill(pool)
         alive = [a.url, b.url]
         load = Load(lambda: list(alive)).start()
-        time.sleep(3)
+        time.sleep(2)
         alive.remove(b.url)
         b.kill()
-        time.sleep(7)
+        time.sleep(5)
         results = load.stop()
         report(results)
         on_a = [x for x in results if x.gw == a.url]
@@ -128,7 +128,7 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
         bad = [x for x in on_a if x.kind != "ok"]
         assert not bad, (summary(on_a), bad[:5])
         assert not [x for x in on_b if x.kind == "hung"]
-        assert len(on_a) >= 100
+        assert len(on_a) >= 60
         # the dead replica's requests were ended by the reconciler, its leftovers deleted
         for x in on_b:
             if x.kind != "ok":
@@ -166,7 +166,7 @@ def test_case3_sigkill_of_a_prefill_worker_mid_batch_retries_or_types_every_requ
 
         wait_for(busy, 10, what="a batch running on the doomed worker")
         own.kill_hard()
-        time.sleep(6)
+        time.sleep(4)
         results = load.stop()
         report(results)
         s = summary(results)
@@ -203,7 +203,7 @@ def test_case4_sigkill_of_a_decode_worker_mid_stream_ends_streams_typed(
 
         wait_for(streaming, 10, what="streams running on the doomed decode worker")
         own.kill_hard()
-        time.sleep(5)
+        time.sleep(3)
         results = load.stop()
         report(results)
         s = summary(results)
@@ -233,7 +233,7 @@ def test_case7_one_percent_of_redis_traffic_reset_no_loop_dies_nothing_leaks(
         slow_prefill(pool, "20")
         load = Load(lambda: [a.url, b.url]).start()
         proxy.flaky(0.01)
-        time.sleep(10)
+        time.sleep(6)
         proxy.flaky(0.0)
         results = load.stop()
         report(results)
@@ -311,7 +311,7 @@ def test_case5_redis_sigkill_and_restart_from_aof_ends_everything_and_recovers(
     try:
         slow_prefill(pool, "20")
         load = Load(lambda: [a.url, b.url]).start()
-        time.sleep(3)
+        time.sleep(2)
         own.kill()
         time.sleep(0.5)
         own.start()
@@ -352,7 +352,7 @@ def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, 
     try:
         slow_prefill(pool, "20")
         load = Load(lambda: [a.url, b.url]).start()
-        time.sleep(3)
+        time.sleep(2)
         own.kill()
         for f in own.dir.rglob("*"):  # everything it had is gone
             if f.is_file():
@@ -395,10 +395,10 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
         time.sleep(2)
         targets.remove(b.url)
         os.kill(b.proc.pid, signal.SIGSTOP)
-        time.sleep(5)  # longer than membership and lease TTLs (3 s): A takes over and reaps B
+        time.sleep(4.5)  # longer than membership and lease TTLs (3 s): A takes over and reaps B
         os.kill(b.proc.pid, signal.SIGCONT)
         targets.append(b.url)
-        time.sleep(4)
+        time.sleep(2.5)
         results = load.stop()
         report(results)
         s = summary(results)
@@ -443,7 +443,7 @@ def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(worker
     try:
         slow_prefill(pool, "20")
         load = Load(lambda: [a.url, b.url]).start()
-        time.sleep(3)
+        time.sleep(2)
         old = ha.master_port()
         ha.kill_master()
         t_kill = time.monotonic()
