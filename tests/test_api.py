@@ -126,9 +126,10 @@ def pair(worker_pool, shared_embedded_redis, tmp_path_factory) -> Iterator[Clust
 
 
 @pytest.fixture(autouse=True)
-def _pair_follows_the_pool(request: pytest.FixtureRequest, _heal_worker_pool: None) -> None:
-    """conftest replaces a pool worker that died with a new one on a new port: register that one
-    with the module's pair (and drop the dead one) before the test uses it."""
+def _pair_follows_the_pool(request: pytest.FixtureRequest, _pool_worker_crash_is_an_error: None) -> None:
+    """conftest replaces a pool worker that died (and fails the test it died in) with a new one on a
+    new port: register that one with the module's pair (and drop the dead one) before the test
+    uses it."""
     if "pair" not in request.fixturenames:
         return
     c: Cluster = request.getfixturevalue("pair")
