@@ -26,7 +26,11 @@ from app.state.keys import Keys
 
 log = logging.getLogger("flexlb.poller")
 
-CACHE_STREAM_MAXLEN = 10_000
+# ~200 s of diffs at one per 200 ms poll. A follower that falls further behind sees a gap in the
+# diffs' `prev` versions and resyncs from the stored snapshot (app/cache/follower.py), so a longer
+# history buys nothing; at 10_000 the streams were the soak's largest Redis growth (bench/soak.py:
+# +7,000 entries in 8 min at 40 req/s, still short of the cap).
+CACHE_STREAM_MAXLEN = 1_000
 
 # Owner writes of derived facts, fenced by the owner lease (issue 14, docs/state.md "Fencing
 # rule"): the lease and the written keys share the worker's slot `{w:<id>}`, so the check and the
