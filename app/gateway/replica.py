@@ -38,7 +38,7 @@ from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
 from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
-from app.state.retry import TerminalWrites
+from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import StateStore
 from app.tokens.tokenizer import load_tokenizer
 
@@ -286,27 +286,30 @@ class Replica:
         await self.notify.stop()
         await self.follower.stop()
         await self.terminal.stop()
-        with contextlib.suppress(Exception):
+        # Leaving: a lease or membership entry Redis did not take back expires by its TTL, and
+        # connections that fail to close are gone with the process. Named errors only.
+        try:
             if drain:
                 await self.leases.drain()
             await self.leases.stop()
-        with contextlib.suppress(Exception):
+        except TRANSIENT as exc:
+            log.warning("releasing leases on stop failed (they expire by TTL): %r", exc)
+        try:
             if drain:
                 await self.membership.leave()
             else:
                 await self.membership.stop()
+        except TRANSIENT as exc:
+            log.warning("leaving membership on stop failed (it expires by TTL): %r", exc)
         for c in self.clients.values():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*TRANSIENT):
                 await c.close()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
+        for conn in (self.redis, self.follower.redis, self.control_redis):
+            with contextlib.suppress(*TRANSIENT):
+                await conn.aclose()
         if self.fast_redis is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*TRANSIENT):
                 await self.fast_redis.close()
-        with contextlib.suppress(Exception):
-            await self.follower.redis.aclose()
-        with contextlib.suppress(Exception):
-            await self.control_redis.aclose()
 
     # ---- owner hooks ---------------------------------------------------------------------
     def _lease_metric(self, kind: str, change: str) -> None:
@@ -410,7 +413,7 @@ class Replica:
         M.retain_workers(self.workers)  # series leave with their worker, whoever removed it
         for wid in list(self.clients):
             if wid not in self.workers:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*TRANSIENT):  # a removed worker's channel: just let go
                     await self.clients.pop(wid).close()
                 M.remove_worker_series(wid)
 
