@@ -17,6 +17,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from app import metrics as M
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
@@ -477,7 +479,11 @@ class OwnerDispatcher(OwnerClaims):
 
         # A reply that Redis did not take is retried from the bounded local queue (issue 14):
         # the origin is waiting for it, and the entry stays pending (and ours) until it is written.
-        await self.terminal.run_or_queue(f"reply {item.request_id}", write)
+        try:
+            await self.terminal.run_or_queue(f"reply {item.request_id}", write)
+        except RedisError as exc:  # not transient (a script error): never retried as it is
+            self.loops.record(f"owner_dispatch:{self.wid}", exc)
+            self._handling.discard(item.entry_id)  # the periodic re-claim answers it again
 
 
 def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:

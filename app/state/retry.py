@@ -23,16 +23,28 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from app import metrics as M
 from app.cluster.loops import LoopHealth
 
 log = logging.getLogger("flexlb.retry")
 
-#: Failures that mean "Redis did not answer now", so the write is worth trying again. A script
-#: error, a bad argument or a programming error is not: retrying would fail the same way.
-TRANSIENT: tuple[type[BaseException], ...] = (RedisError, OSError, TimeoutError)
+#: Failures that mean "Redis did not answer now", so the write is worth trying again: the
+#: connection broke or timed out (BusyLoadingError while a restarted Redis loads its AOF is a
+#: ConnectionError), a Sentinel-demoted master answers READONLY, a flushed server lost its scripts.
+#: A script error, a bad argument or a programming error is not: retrying would fail the same way,
+#: and would hold up every write queued behind it.
+TRANSIENT: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    NoScriptError,
+    OSError,
+    TimeoutError,
+)
 
 
 @dataclass
