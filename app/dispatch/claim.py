@@ -19,7 +19,8 @@ from app import metrics as M
 from app.dispatch.items import QueueItem, parse_item
 from app.rpc.worker_client import WorkerUnavailable
 from app.scheduling.batcher import Pending
-from app.state.handoff import GROUP, s
+from app.state.handoff import GROUP
+from app.state.text import to_str as s
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from app.state.handoff import s, unpack_tokens
+from app.state.handoff import unpack_tokens
+from app.state.text import to_str as s
 
 
 @dataclass

@@ -27,6 +27,7 @@ from app.dispatch.items import QueueItem, parse_item
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.connect import redis_client
 from app.state.handoff import GROUP, Handoff
@@ -267,7 +268,7 @@ class OwnerDispatcher(OwnerClaims):
                 self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
         elif self.config() is not self._cfg_seen:
             self.batcher.config = self._scaled_config()
-        d = self.batcher.decide(time.time() * 1000)
+        d = commit_step(self.batcher, time.time() * 1000)
         if d.failed:
             await self._take_refused([p.payload for p, _ in d.failed])  # type: ignore[misc]
         for p, code in d.failed:
@@ -275,7 +276,6 @@ class OwnerDispatcher(OwnerClaims):
             M.BATCH_FAILED.labels(code).inc()
             await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
         if d.items:
-            self.batcher.batch_started()
             M.BATCH_FLUSHES.labels(d.reason).inc()
             M.BATCH_SIZE.observe(len(d.items))
             now = time.time() * 1000
@@ -334,7 +334,7 @@ class OwnerDispatcher(OwnerClaims):
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
-        predicted = sum(i.predicted_ms for i in items)
+        predicted = committed_ms(items)
         epoch = self.epoch()
         by_id = {i.request_id: i for i in items}
         self._batch_sizes[batch_id] = len(items)
@@ -348,7 +348,7 @@ class OwnerDispatcher(OwnerClaims):
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
-                take_ms=sum(i.predicted_ms for i in items),
+                take_ms=predicted,
             )
         except FencedOut:
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))

@@ -9,25 +9,26 @@ So a request either completes or ends with a typed error, and nothing stays held
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
 from app.state.handoff import Handoff, pack_tokens
-from app.state.handoff import s as _s
-from app.state.store import _REQUEST_RESERVED, _flatten
+from app.state.store import request_fields
+from app.state.text import to_str as _s
 
 if TYPE_CHECKING:
     from app.gateway.replica import Replica
@@ -54,6 +55,10 @@ class GenRequest:
     # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
     # so recording the request and handing it off may share one round trip.
     fresh_id: bool = False
+    # OpenAI `stop`: fed each output chunk in order, returns how many of its ids to keep when a
+    # stop string completed in it (app/api/stop.py). Decoding then ends with finish_reason "stop".
+    stop: Callable[[Sequence[int]], int | None] | None = None
+    user: str = ""  # OpenAI `user`: only logged
 
 
 @dataclass
@@ -116,7 +121,7 @@ class Pipeline:
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
         self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
-        # start and end on the worker's clock, wall time of the reply); see `_owed`.
+        # start and end on the worker's clock, wall time of the reply); see `routing.current_loads`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
         # worker id → (the snapshot dict it was parsed from, registry state, its view): snapshots
         # are replaced, never mutated, a few times a second, while every request ranks every
@@ -137,25 +142,20 @@ class Pipeline:
             else:
                 view = _parse_view(wid, role, snap, state)
                 self._view_cache[wid] = (snap, state, view)
-            queued = view.queued_ms
-            ov = r.queued_overlay.get(wid)
-            if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
-                queued = ov[0]
-            owed = self._owed(wid, snap) if role == "prefill" else 0.0
+            prefill = role == "prefill"
+            queued, owed = current_loads(
+                view.queued_ms,
+                float(snap.get("owed_ms", 0.0) or 0.0) if prefill else 0.0,
+                float(snap.get("now_ms", 0.0) or 0.0),
+                r.queued_overlay.get(wid),
+                r.snapshot_time.get(wid, 0.0),
+                self.finished.get(wid) if prefill else None,
+                time.time() - 5.0,  # older entries are long since reflected, or from an older epoch
+            )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
         return out
-
-    def _owed(self, wid: str, snap: dict[str, str]) -> float:
-        """See `routing.owed_less_finished`; entries older than 5 s are long since reflected, or
-        from an older worker epoch."""
-        owed = float(snap.get("owed_ms", 0.0) or 0.0)
-        done = self.finished.get(wid)
-        if not done:
-            return owed
-        now = float(snap.get("now_ms", 0.0) or 0.0)
-        return owed_less_finished(owed, now, done, time.time() - 5.0)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():
@@ -255,7 +255,7 @@ class Pipeline:
         rid = req.request_id
         dec = p.decode_worker
         fields = self._record_fields(req, p)
-        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
+        args = [r.replica_id, *request_fields(fields)]
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             ["EVALSHA", r.store.sha("create_request"), 1, r.keys.request(rid), *args],
@@ -310,7 +310,7 @@ class Pipeline:
         rid = req.request_id
         p.prefill_worker = wid
         fields = self._record_fields(req, p)
-        scripts = r.store._scripts
+        sha = r.store.sha
         dec = p.decode_worker
         need = len(req.input_ids) + req.max_new_tokens
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
@@ -320,19 +320,19 @@ class Pipeline:
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             [
                 "EVALSHA",
-                scripts["create_request"].sha,
+                sha("create_request"),
                 1,
                 r.keys.request(rid),
                 r.replica_id,
-                *_flatten(fields, _REQUEST_RESERVED),
+                *request_fields(fields),
             ],
         ]
         if dec:
-            cmds.append(["EVALSHA", scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap])
+            cmds.append(["EVALSHA", sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         cmds.append(
             [
                 "EVALSHA",
-                scripts["handoff"].sha,
+                sha("handoff"),
                 2,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
@@ -356,14 +356,9 @@ class Pipeline:
         return entry, queued, held
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
-        """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
-        it again — every command here is idempotent for its request id. Any other error reply
-        is raised."""
-        r = self.r
-        res = await r.store.execute(cmds)
-        if any(isinstance(x, NoScriptError) for x in res):
-            await r.store.load_scripts()
-            res = await r.store.execute(cmds)
+        """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised."""
+        res = await self.r.store.execute_scripts(cmds)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x
@@ -441,14 +436,16 @@ class Pipeline:
                     req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
                 )
             first = int(reply["first_token"])
+            stopped = False
             if attempt == 0:
                 p.output_ids.append(first)
+                stopped = req.stop is not None and req.stop([first]) is not None
                 yield ("first", first)
-            if req.max_new_tokens == 1:
+            if req.max_new_tokens == 1 or stopped:
                 # No decode will fetch this KV: unpin it now rather than at the handle's expiry
                 # (30 s of pinned prefix the cache could otherwise evict or reuse).
                 self._release_prefill_kv(p.prefill_worker, rid, reply.get("epoch", ""))
-                p.finish_reason = "length"
+                p.finish_reason = "stop" if stopped else "length"
                 return
             reason = ""
             async for ev in self._decode(req, p, reply):
@@ -456,6 +453,9 @@ class Pipeline:
                     reason = ev
                 else:
                     yield ("tokens", ev)
+            if reason == "stop":
+                p.finish_reason = "stop"
+                return
             if reason == "kv_expired" and attempt == 0:
                 log.info("kv handle expired; re-running prefill once", extra={"request_id": rid})
                 continue
@@ -563,24 +563,32 @@ class Pipeline:
         p.stage = "decoding"
         self._log("decoding", req, p)
         pre_addr = r.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
+        stream = r.client(dec).decode(
+            req.request_id,
+            snap.get("epoch", ""),
+            len(req.input_ids),
+            req.max_new_tokens - 1,
+            kv_worker=pre_addr,
+            kv_epoch=reply.get("epoch", ""),
+            timeout=req.timeout_ms / 1000,
+        )
         try:
-            async for ev in r.client(dec).decode(
-                req.request_id,
-                snap.get("epoch", ""),
-                len(req.input_ids),
-                req.max_new_tokens - 1,
-                kv_worker=pre_addr,
-                kv_epoch=reply.get("epoch", ""),
-                timeout=req.timeout_ms / 1000,
-            ):
-                if ev.event == "tokens":
-                    if req.request_id in self.cancel_requested:  # a cancel something swallowed
-                        raise asyncio.CancelledError
-                    p.output_ids.extend(ev.tokens)
-                    yield ev.tokens
-                else:
-                    yield ev.finish_reason
-                    return
+            async with contextlib.aclosing(stream):  # leaving early ends the RPC now
+                async for ev in stream:
+                    if ev.event == "tokens":
+                        if req.request_id in self.cancel_requested:  # a cancel something swallowed
+                            raise asyncio.CancelledError
+                        keep = req.stop(ev.tokens) if req.stop is not None else None
+                        tokens = ev.tokens if keep is None else ev.tokens[:keep]
+                        p.output_ids.extend(tokens)
+                        yield tokens
+                        if keep is not None:
+                            await self._stop_decode(req, dec)
+                            yield "stop"
+                            return
+                    else:
+                        yield ev.finish_reason
+                        return
         except WorkerUnavailable as exc:
             task = asyncio.current_task()
             if req.request_id in self.cancel_requested or (task is not None and task.cancelling()):
@@ -588,6 +596,15 @@ class Pipeline:
                 # request ends `cancelled`, not `failed` with a worker_error.
                 raise asyncio.CancelledError from exc
             raise ApiError("worker_error", f"decode worker {dec} failed: {str(exc)[:200]}") from None
+
+    async def _stop_decode(self, req: GenRequest, dec: str) -> None:
+        """A stop string ended the output early: cancel the engine's decode, which frees its KV
+        (the gateway's reservation is released by `_finish`). A failed cancel is logged: the
+        engine still ends the decode at max_new_tokens or the deadline."""
+        try:
+            await asyncio.wait_for(self.r.client(dec).cancel(req.request_id), 2.0)
+        except Exception as exc:
+            log.warning("cancel of stopped decode %s on %s failed: %s", req.request_id, dec, exc)
 
     # ---- endings -------------------------------------------------------------------------
     def _outcome(
@@ -709,6 +726,8 @@ class Pipeline:
         }
         if code:
             extra["code"] = code
+        if req.user:
+            extra["user"] = req.user
         log.info("request %s %s", req.request_id, event, extra=extra)
 
 
