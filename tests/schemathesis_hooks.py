@@ -39,6 +39,8 @@ schemathesis.openapi.format(
 
 @schemathesis.hook
 def map_body(ctx: Any, body: Any) -> Any:
-    if isinstance(body, dict) and isinstance(body.get("timeout_ms"), int) and body["timeout_ms"] > 0:
-        body["timeout_ms"] = max(body["timeout_ms"], MIN_TIMEOUT_MS)
+    # int or an integral float (JSON Schema counts 52.0 as an integer, and so does the API)
+    t = body.get("timeout_ms") if isinstance(body, dict) else None
+    if isinstance(t, int | float) and not isinstance(t, bool) and t > 0:
+        body["timeout_ms"] = max(t, MIN_TIMEOUT_MS)
     return body
