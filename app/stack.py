@@ -149,6 +149,7 @@ def run_stack(
     time_scale: float = 1.0,
     log_dir: Path = Path("logs"),
     redis_url: str | None = None,
+    worker_args: list[str] | None = None,
 ) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
@@ -169,6 +170,7 @@ def run_stack(
             redis_url = emb.url
         env["FLEXLB_REDIS_URL"] = redis_url
         wargs = ["--profile", profile, "--time-scale", str(time_scale), "--log-level", "WARNING"]
+        wargs += worker_args or []  # e.g. --engine hf --model DIR
         workers = [
             _spawn(f"{role}-{i}", ["worker", "--role", role, *wargs], log_dir, env, pipe=True)
             for role, n in (("prefill", prefill), ("decode", decode))

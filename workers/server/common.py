@@ -51,6 +51,10 @@ class WorkerConfig:
     max_events_per_s: float = 400.0  # decode chunk budget of the whole worker (see stream_interval_s)
     stream_idle_timeout_s: float = 600.0  # end a stream whose engine work produced nothing this long
     faults: Faults = field(default_factory=Faults)
+    engine: str = "sim"  # sim | hf (a real model: hf_service.py)
+    model_path: str = ""  # hf: a local model directory
+    device: str = "cpu"  # hf: cpu | cuda
+    dtype: str = "float32"  # hf: float32 | bfloat16
 
 
 class ControlError(ValueError):

@@ -108,14 +108,11 @@ class DecodeModel(StreamBase):
         kv_worker = as_str(get(req, W.D_KV_WORKER))
         kv_epoch = as_str(get(req, W.D_KV_EPOCH))
         await self._wait_unhung()
-        if kv_worker:
-            # Claim the KV handle before modelling the transfer: a lapsed handle (or a restarted
-            # prefill worker) must end the stream kv_expired before any token is produced.
-            status = await self._release_remote(rid, kv_worker, kv_epoch)
-            if status != EngineStatus.OK:
-                err = f"KV handle on {kv_worker} is no longer valid ({status})"
-                yield d_finish(EngineStatus.KV_EXPIRED, 0, err)
-                return
+        got = await self._acquire_kv(dreq, req, kv_worker, kv_epoch)
+        if isinstance(got, dict):
+            yield got
+            return
+        dreq = got
         loop = asyncio.get_running_loop()
         sub = Subscriber(loop)
         await self.runner.call(lambda: self._submit_decode(dreq, sub))
@@ -158,6 +155,21 @@ class DecodeModel(StreamBase):
                 self.runner.call_sync(
                     lambda: self._route(self._core_d().cancel(rid, self.runner.model_now()))
                 )
+
+    async def _acquire_kv(
+        self, dreq: DecodeRequest, req: Any, kv_worker: str, kv_epoch: str
+    ) -> DecodeRequest | dict[str, np.ndarray]:
+        """Take over the request's KV before any token: the request to submit, or the `finish`
+        event that ends the stream. The simulated engine claims the handle (the transfer itself
+        is modelled); a real engine fetches the tensors instead (hf_service.py)."""
+        if kv_worker:
+            # Claim the KV handle before modelling the transfer: a lapsed handle (or a restarted
+            # prefill worker) must end the stream kv_expired before any token is produced.
+            status = await self._release_remote(dreq.request_id, kv_worker, kv_epoch)
+            if status != EngineStatus.OK:
+                err = f"KV handle on {kv_worker} is no longer valid ({status})"
+                return d_finish(EngineStatus.KV_EXPIRED, 0, err)
+        return dreq
 
     def _core_d(self) -> DecodeEngine:
         assert isinstance(self.core, DecodeEngine)

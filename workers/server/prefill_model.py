@@ -119,7 +119,7 @@ class PrefillModel(StreamBase):
             toks = ids[off : off + n]
             off += n
             keys = block_keys(toks, bs, model=self.cfg.model_name, tokenizer=self.cfg.tokenizer)
-            out.append(PrefillRequest(rid, n, tuple(keys)))
+            out.append(self._prefill_request(req, len(out), rid, toks, tuple(keys)))
         return out
 
     def _submit_prefill(
@@ -144,6 +144,13 @@ class PrefillModel(StreamBase):
         out = core.submit(batch_id, reqs, now)
         self._route(out.effects)
         return out.queue_position, None
+
+    def _prefill_request(
+        self, req: Any, i: int, rid: str, toks: np.ndarray, keys: tuple[int, ...]
+    ) -> PrefillRequest:
+        """Member `i` of the batch as the engine takes it (a real engine also needs the tokens
+        and the sampling fields: hf_service.py)."""
+        return PrefillRequest(rid, len(toks), keys)
 
     async def _claim_local(self, rid: str, epoch: str) -> str:
         """A claim arriving over the side channel: the same answer as `control.release`."""

@@ -58,7 +58,9 @@ class WorkerService(PrefillModel, DecodeModel, ControlModel):
         self._subs: dict[str, list[Subscriber]] = {}
         self._peer_clients: dict[str, Any] = {}  # gRPC clients of prefill peers (side loop only)
         self.side = SideLoop()
-        self.kv_server = KvClaimServer(self._claim_local) if cfg.role == "prefill" else None
+        self.kv_server = (
+            KvClaimServer(self._claim_local, self._kv_fetch_handler()) if cfg.role == "prefill" else None
+        )
         self.kv_client = KvClaimClient(self._resolve_kv, self._control_release)
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
         self._status_seq = 0
@@ -84,6 +86,10 @@ class WorkerService(PrefillModel, DecodeModel, ControlModel):
                 faults=self.cfg.faults,
             )
         return DecodeEngine(self.profile, seed=self.cfg.seed, faults=self.cfg.faults)
+
+    def _kv_fetch_handler(self) -> Any:
+        """What answers a side-channel fetch (a real engine's KV frame); None: claims only."""
+        return None
 
     def start(self, kv_bind: str = "127.0.0.1") -> None:
         """`kv_bind`: where the prefill side channel listens (the worker's bind address)."""
