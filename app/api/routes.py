@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.gateway.errors import ApiError
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
 from app.tokens.chat import ChatTemplateError, render_chat
@@ -252,6 +252,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, ids, body.max_tokens if body.max_tokens is not None else 16, None, None, "completions"
     )
+    req.sampling = sampling_of(body)
     cid = f"cmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -366,6 +367,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, r.tokenizer.encode(text), max_new if max_new is not None else 16, None, None, "chat"
     )
+    req.sampling = sampling_of(body)
     cid = f"chatcmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -427,6 +429,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     else:
         ids = r.tokenizer.encode(body.prompt or "")
     req = await _prepare(request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate")
+    req.sampling = sampling_of(body)
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
 

@@ -52,3 +52,27 @@ class GenerateRequest(BaseModel):
     timeout_ms: StrictInt | None = None
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     priority: StrictInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
+    temperature: float | None = Field(
+        None, ge=0, le=2, description="sampling temperature; absent or 0: greedy"
+    )
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass")
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1, description="sampling seed")
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed")
+
+
+def sampling_of(body: BaseModel) -> dict[str, float | int] | None:
+    """The sampling fields a request gave, for the engines (None when it gave none: greedy). They
+    travel in the prefill hand-off; a real engine samples by them, the simulated one ignores them."""
+    out: dict[str, float | int] = {}
+    for name in SAMPLING_FIELDS:
+        v = getattr(body, name, None)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            from app.gateway.errors import ApiError
+
+            raise ApiError("invalid_request", f"{name}: must be a number")
+        out[name] = int(v) % 2**63 if name == "seed" else float(v)  # the engines' seeds are >= 0
+    return out or None

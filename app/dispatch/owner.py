@@ -46,6 +46,7 @@ class QueueItem:
     t_handoff: float = 0.0  # wall s when the origin appended it
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
+    sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -61,6 +62,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         t_handoff=float(m.get("t", 0.0)),
         hit_tokens=int(m.get("hit", 0)),
         attempt=int(m.get("att", 0)),
+        sampling=m.get("smp") or None,
     )
 
 
@@ -425,7 +427,11 @@ class OwnerDispatcher:
         )
         try:
             async for ev in self.client.prefill(
-                batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout
+                batch_id,
+                epoch,
+                [(i.request_id, i.tokens) for i in live],
+                timeout=timeout,
+                sampling=[i.sampling for i in live],
             ):
                 if ev.event == "accepted":
                     accepted = True

@@ -55,6 +55,9 @@ class GenRequest:
     # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
     # so recording the request and handing it off may share one round trip.
     fresh_id: bool = False
+    # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
+    # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
+    sampling: dict[str, float | int] | None = None
 
 
 @dataclass
@@ -430,6 +433,9 @@ class Pipeline:
                     reason = ev
                 else:
                     yield ("tokens", ev)
+            if reason == "stop":
+                p.finish_reason = "stop"
+                return
             if reason == "kv_expired" and attempt == 0:
                 log.info("kv handle expired; re-running prefill once", extra={"request_id": rid})
                 continue
@@ -466,6 +472,8 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
+        if req.sampling:
+            meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         held = -1
         fresh = p.stage == "new"

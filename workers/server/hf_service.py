@@ -114,7 +114,8 @@ class HfWorkerService(WorkerService):
         if status != EngineStatus.OK or held is None:
             return str(status), None
         frame = kv_frames.KvFrame(rid, held.kv, held.first_token, held.sampling)
-        return EngineStatus.OK, await asyncio.to_thread(kv_frames.encode, frame)
+        data = await asyncio.to_thread(kv_frames.encode, frame)
+        return EngineStatus.OK, _inject(data, core.faults.kv_frame)
 
     # ---- decode -----------------------------------------------------------------------------
     async def _acquire_kv(
@@ -170,6 +171,17 @@ class HfWorkerService(WorkerService):
             "dtype": str(self.model.dtype).removeprefix("torch."),
         }
         return st
+
+
+def _inject(data: bytes, fault: str) -> bytes:
+    """Fault `kv_frame`: damage the frame as a broken link or memory would (tests cause the decode
+    side's checks for real this way)."""
+    if fault == "corrupt":
+        i = len(data) // 2
+        return data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1 :]
+    if fault == "truncate":
+        return data[: len(data) * 2 // 3]
+    return data
 
 
 def _sampling(req: Any, i: int, base: Sampling | None) -> Sampling:
