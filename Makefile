@@ -26,7 +26,7 @@ install: $(STAMP)
 install-engine: $(ENGINE_STAMP)
 
 test: $(ENGINE_STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	FLEXLB_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
