@@ -72,6 +72,7 @@ def worker(
     model: Annotated[str | None, typer.Option(help="hf: local model directory (save_pretrained)")] = None,
     device: Annotated[str, typer.Option(help="hf: cpu or cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="hf: float32 or bfloat16")] = "float32",
+    threads: Annotated[int, typer.Option(help="hf: torch CPU threads; 0 = torch's default")] = 1,
     profile: Annotated[str, typer.Option(help="llama3.1-8b-h100 or formula")] = "llama3.1-8b-h100",
     formula: Annotated[str | None, typer.Option(help="prefill time formula (profile=formula)")] = None,
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
@@ -125,6 +126,7 @@ def worker(
         model_path=model or "",
         device=device,
         dtype=dtype,
+        threads=threads,
         faults=Faults.from_dict(
             {
                 "error_rate": fault_error_rate,

@@ -55,6 +55,7 @@ class WorkerConfig:
     model_path: str = ""  # hf: a local model directory
     device: str = "cpu"  # hf: cpu | cuda
     dtype: str = "float32"  # hf: float32 | bfloat16
+    threads: int = 1  # hf: torch intra-op threads (0: torch's default, every core)
 
 
 class ControlError(ValueError):

@@ -34,7 +34,7 @@ def _service(cfg: WorkerConfig, stopping: threading.Event) -> WorkerService:
 
     from .hf_service import HfWorkerService
 
-    model = HfModel(cfg.model_path, device=cfg.device, dtype=cfg.dtype)
+    model = HfModel(cfg.model_path, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
     log.info("loaded %s: %d parameters on %s", cfg.model_path, model.params, cfg.device)
     return HfWorkerService(cfg, model, stopping=stopping)
 
