@@ -78,21 +78,28 @@ def bench_decode(m: HfModel, ctx: int, steps: int) -> dict[str, float]:
         res = m.prefill([(None, p) for p in prompts(n, ctx, 100 + n)])
         kvs = [kv for _, kv in res]
 
-        def batched(kvs: list[torch.Tensor] = kvs, n: int = n) -> None:
+        def batched(kvs: list[torch.Tensor] = kvs, n: int = n) -> float:
             b = m.new_decode_batch([str(i) for i in range(n)], kvs, [65] * n)
+            t0 = time.perf_counter()
             for _ in range(steps):
                 lg = m.decode_step(b)
                 b.last = torch.argmax(lg, dim=-1).tolist()
+            return time.perf_counter() - t0
 
-        def one_at_a_time(kvs: list[torch.Tensor] = kvs, n: int = n) -> None:
+        def one_at_a_time(kvs: list[torch.Tensor] = kvs, n: int = n) -> float:
             bs = [m.new_decode_batch([str(i)], [kv], [65]) for i, kv in enumerate(kvs)]
+            t0 = time.perf_counter()
             for _ in range(steps):
                 for b in bs:
                     lg = m.decode_step(b)
                     b.last = torch.argmax(lg, dim=-1).tolist()
+            return time.perf_counter() - t0
 
-        out[f"streams{n}_batched_tok_s"] = round(n * steps / timed(batched, 1), 1)
-        out[f"streams{n}_sequential_tok_s"] = round(n * steps / timed(one_at_a_time, 1), 1)
+        batched()  # warm-up
+        out[f"streams{n}_batched_tok_s"] = round(
+            n * steps / statistics.median(batched() for _ in range(3)), 1
+        )
+        out[f"streams{n}_sequential_tok_s"] = round(n * steps / one_at_a_time(), 1)
     return out
 
 
@@ -211,7 +218,7 @@ def main() -> None:
             print(f"[{name}] {m.params / 1e6:.1f}M params", flush=True)
             r["prefill"] = {"prompt_tokens": length, **bench_prefill(m, length, repeat)}
             print(f"[{name}] prefill {r['prefill']}", flush=True)
-            steps = 8 if args.quick else 16
+            steps = 8 if args.quick else 32
             r["decode"] = {"context": 128, "steps": steps, **bench_decode(m, 128, steps)}
             print(f"[{name}] decode {r['decode']}", flush=True)
             r["kv_transfer"] = asyncio.run(_transfer(m, 1024, repeat))

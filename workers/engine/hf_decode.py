@@ -199,10 +199,10 @@ class HfDecodeEngine:
     def _rebuild(self) -> None:
         """Membership changed: pull the staying rows' KV out of the old batch, pad a new one."""
         if self._batch is not None:
-            for i, rid in enumerate(self._batch.rows):
+            for rid, kv in self.model.rows_kv(self._batch).items():
                 s = self._seqs.get(rid)
                 if s is not None:
-                    s.kv = self.model.row_kv(self._batch, i)
+                    s.kv = kv
         seqs = [self._seqs[rid] for rid in self._running]
         kvs = [s.kv for s in seqs]
         assert all(kv is not None for kv in kvs)

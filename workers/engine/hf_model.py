@@ -227,10 +227,14 @@ class HfModel:
             mask[i, t - n :] = 1
         return DecodeBatch(list(rows), self._cache(past), mask, lengths, list(last))
 
-    def row_kv(self, batch: DecodeBatch, i: int) -> torch.Tensor:
-        """Row `i`'s real KV, [layers, 2, heads, tokens, dim] (to rebuild the batch without it)."""
-        n = batch.lengths[i]
-        return self._stacked(batch.cache)[:, :, i, :, -n:].contiguous()
+    def rows_kv(self, batch: DecodeBatch) -> dict[str, torch.Tensor]:
+        """Every row's real KV, [layers, 2, heads, tokens, dim] (to rebuild the batch when its
+        membership changes); the cache is stacked once for all rows."""
+        full = self._stacked(batch.cache)
+        return {
+            rid: full[:, :, i, :, -n:].contiguous()
+            for i, (rid, n) in enumerate(zip(batch.rows, batch.lengths, strict=True))
+        }
 
 
 @dataclass
