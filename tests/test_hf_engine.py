@@ -201,11 +201,27 @@ def test_prefill_batch_of_different_lengths_is_one_forward_pass_and_exact(hf, re
     assert st["pinned"] == [] and st["kv_released"]["released"] >= 4  # every handle fetched, freed
 
 
+def test_a_batch_larger_than_the_kv_budget_runs_when_nothing_is_held(hf, ref) -> None:
+    """The simulated rule "wait for room" would stall a worker for good on a batch whose tokens
+    exceed the whole budget (the gateway's batcher can build one); the real engine runs it alone."""
+    pw, dw = hf["prefill"], hf["decode"]
+    worker_call(pw.address, "configure", kv_capacity_tokens=64)
+    prompts = {"big-a": text(50, "ba"), "big-b": text(50, "bb")}
+    res = asyncio.run(prefill_batch(pw, "big-batch", prompts))
+    assert [r["status"] for r in res.values()] == ["ok", "ok"]
+    toks, fin = asyncio.run(decode(dw, pw, "big-a", 50, 4))
+    assert fin.finish_reason in ("length", "stop")
+    assert [res["big-a"]["first_token"], *toks] == generate(ref, prompts["big-a"], 5)[: 1 + len(toks)]
+
+
 def test_eight_sequences_join_the_decode_batch_at_different_steps(hf, ref) -> None:
     pw, dw = hf["prefill"], hf["decode"]
     prompts = {f"join-{i}": text(8 + 9 * i, f"j{i}") for i in range(8)}
     res = asyncio.run(prefill_batch(pw, "join-batch", prompts))
     n_new = 120
+    # 5 ms between steps (fault extra_latency_ms: a slower device): joins overlap the running
+    # sequences however slow the status polls that pace them are on a loaded machine
+    worker_call(dw.address, "configure", faults={"extra_latency_ms": 5})
     before = stats(dw)
 
     async def staggered() -> list[tuple]:

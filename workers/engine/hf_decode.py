@@ -83,6 +83,7 @@ class HfDecodeEngine:
         self._dirty = False
         self._used = 0
         self._last_step_ms = 0.0
+        self._last_step_at = 0.0  # modelled time the last step ended
         self.steps_total = 0
         self.step_ms_sum = 0.0
         self.tokens_total = 0
@@ -161,16 +162,17 @@ class HfDecodeEngine:
 
     # ---- time: one step per advance -------------------------------------------------------
     def next_event_time(self) -> float | None:
+        """Now while sequences run; fault `extra_latency_ms` spaces the steps (a slower device)."""
         if self.faults.hang or not (self._running or self._admissible()):
             return None
-        return self.now
+        return max(self.now, self._last_step_at + self.faults.extra_latency_ms)
 
     def advance_to(self, t: float) -> list[Effect]:
         self.now = max(self.now, t)
         if self.faults.hang:
             return []
         self._admit()
-        if not self._running:
+        if not self._running or t < self._last_step_at + self.faults.extra_latency_ms:
             return []
         try:
             return self._step()
@@ -244,6 +246,7 @@ class HfDecodeEngine:
                 self._dirty = True
                 effects.append(DecodeFinished(rid, reason, s.generated, self.now))
         batch.last = nxt
+        self._last_step_at = t1
         self.steps_total += 1
         self._last_step_ms = t1 - t0
         self.step_ms_sum += self._last_step_ms

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import EngineStatus
 
 from .effects import BatchStarted, Effect, PrefillResult
@@ -130,12 +131,37 @@ class HfPrefillEngine(PrefillEngine):
         return effects
 
     def _pump(self) -> list[Effect]:
-        effects = super()._pump()
+        # A batch whose uncached tokens exceed the whole budget can never fit, so the simulated
+        # rule (wait for room) would stall this worker for good. When nothing is held (no running
+        # batch, no pinned handle), memory is really there: let it run over the budget, once.
+        over = self._oversized_head()
+        saved = self.capacity
+        if over:
+            self.capacity = over
+        try:
+            effects = super()._pump()
+        finally:
+            self.capacity = saved
         for e in effects:
             if isinstance(e, BatchStarted) and self._running is not None:
                 self._running.end_ms = INF  # known once computed
                 self._pending = self._running
         return effects
+
+    def _oversized_head(self) -> int:
+        """The head batch's need when it exceeds the budget and the engine holds nothing, else 0."""
+        if self._running is not None or not self._queue or self._held or self.cache.pinned_tokens:
+            return 0
+        need = sum(
+            m.req.input_tokens
+            - min(
+                self.cache.match_prefix(m.req.block_keys), hit_blocks_cap(m.req.input_tokens, self.block_size)
+            )
+            * self.block_size
+            for m in self._queue[0].members.values()
+            if not m.done
+        )
+        return need if need > self.capacity else 0
 
     def _compute(self, b: _Batch) -> list[Effect]:
         live = [m for m in b.members.values() if not m.done]
