@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from app.protocol.codes import EngineStatus
 from .effects import BatchStarted, Effect, PrefillResult
 from .faults import Faults
 from .hf_model import GREEDY, HfModel, Sampling, sample_token
-from .prefill import INF, PrefillEngine, PrefillRequest, _Batch
+from .prefill import INF, PrefillEngine, PrefillRequest
 from .profiles import EngineProfile
 
 log = logging.getLogger("flexlb.worker.hf")
@@ -65,6 +66,7 @@ class HfPrefillEngine(PrefillEngine):
         profile: EngineProfile,
         *,
         clock: Callable[[], float],
+        wake: Callable[[], Any] | None = None,
         block_size: int = 64,
         seed: int = 0,
         kv_capacity_tokens: int | None = None,
@@ -85,7 +87,11 @@ class HfPrefillEngine(PrefillEngine):
         self._synced = self.cache.version
         self._held_kv: dict[str, HeldKv] = {}
         self._out: dict[str, tuple[int, torch.Tensor, Sampling]] = {}
-        self._pending: _Batch | None = None  # started, not yet computed
+        self._pending: Any = None  # started, its compute not yet handed over
+        # One compute thread: forward passes run one at a time, off the engine thread.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-prefill")
+        self._inflight: tuple[Any, list[Any], Future[Any], float] | None = None
+        self.wake = wake  # the driver's nudge: a finished compute completes its batch at once
         self._advancing = False
         self.computed_tokens = 0  # prompt tokens that went through the model
         self.cached_tokens_total = 0  # prompt tokens whose KV came from the block store
@@ -113,16 +119,22 @@ class HfPrefillEngine(PrefillEngine):
 
     # ---- time: compute the started batch, then let the core complete it ------------------------
     def next_event_time(self) -> float | None:
-        if self._pending is not None and not self._advancing and not self.faults.hang:
-            return self.now  # a started batch waits for its compute: wake the driver now
+        if not self._advancing and not self.faults.hang:
+            if self._pending is not None and self._inflight is None:
+                return self.now  # a started batch waits for its compute to start: now
+            if self._inflight is not None and self._inflight[2].done():
+                return self.now  # its compute ended: complete it now
         return super().next_event_time()
 
     def advance_to(self, t: float) -> list[Effect]:
         effects: list[Effect] = []
-        if self._pending is not None and not self.faults.hang:
-            b, self._pending = self._pending, None
-            effects.extend(self._compute(b))
-            t = max(t, self.clock())
+        if not self.faults.hang:
+            if self._inflight is not None and self._inflight[2].done():
+                effects.extend(self._finish_compute())
+                t = max(t, self.clock())
+            if self._pending is not None and self._inflight is None:
+                b, self._pending = self._pending, None
+                effects.extend(self._start_compute(b))
         self._advancing = True
         try:
             effects.extend(super().advance_to(t))
@@ -163,35 +175,53 @@ class HfPrefillEngine(PrefillEngine):
         )
         return need if need > self.capacity else 0
 
-    def _compute(self, b: _Batch) -> list[Effect]:
+    def _start_compute(self, b: Any) -> list[Effect]:
+        """Hand the batch's forward pass to the compute thread. The engine thread stays free for
+        status polls, claims and cancels meanwhile: a long prefill must not read as a dead worker."""
         live = [m for m in b.members.values() if not m.done]
         if not live:
             b.end_ms = self.now
             return []
         items: list[tuple[torch.Tensor | None, list[int]]] = []
-        t0 = self.clock()
         try:
             for m in live:
                 req = m.req
                 assert isinstance(req, HfPrefillRequest)
                 prefix = torch.cat([self._blocks[k] for k in m.hit_keys], dim=3) if m.hit_keys else None
                 items.append((prefix, list(req.tokens[m.cached_tokens :])))
-            res = self.model.prefill(items)
-        except Exception as exc:  # a failed forward pass fails its batch, never the engine thread
-            log.exception("prefill forward pass failed")
-            return self._fail_batch(b, f"forward pass failed: {type(exc).__name__}: {exc}"[:300])
+        except Exception as exc:  # a missing block fails its batch, never the engine thread
+            log.exception("prefill inputs failed")
+            return self._fail_batch(b, f"prefill inputs failed: {type(exc).__name__}: {exc}"[:300])
+        fut = self._executor.submit(self.model.prefill, items)
+        if self.wake is not None:
+            fut.add_done_callback(lambda _f: self.wake() if self.wake is not None else None)
+        self._inflight = (b, live, fut, self.clock())
+        return []
+
+    def _finish_compute(self) -> list[Effect]:
+        assert self._inflight is not None
+        b, live, fut, t0 = self._inflight
+        self._inflight = None
         t1 = self.clock()
+        if b.phase == "done":  # cancelled (or reset) while it computed: nothing to deliver
+            return []
+        exc = fut.exception()
+        if exc is not None:
+            log.error("prefill forward pass failed: %r", exc)
+            return self._fail_batch(b, f"forward pass failed: {type(exc).__name__}: {exc}"[:300])
         self.forward_passes += 1
         self.compute_ms_total += t1 - t0
-        for m, (logits, kv) in zip(live, res, strict=True):
+        for m, (logits, kv) in zip(live, fut.result(), strict=True):
             req = m.req
             assert isinstance(req, HfPrefillRequest)
+            self.computed_tokens += req.input_tokens - m.cached_tokens
+            self.cached_tokens_total += m.cached_tokens
+            if m.done:  # cancelled while it computed
+                continue
             sampling = req.sampling
             if sampling.temperature > 0 and sampling.seed < 0:
                 sampling = Sampling(sampling.temperature, sampling.top_p, self._request_seed(req.request_id))
             self._out[req.request_id] = (sample_token(logits, sampling, 0), kv, sampling)
-            self.computed_tokens += req.input_tokens - m.cached_tokens
-            self.cached_tokens_total += m.cached_tokens
         b.end_ms = t1 + self.faults.extra_latency_ms
         b.predicted_ms = b.end_ms - b.start_ms
         return []
@@ -200,7 +230,7 @@ class HfPrefillEngine(PrefillEngine):
         """A request sampled without a seed gets one from (engine seed, request id)."""
         return zlib.crc32(f"{self.seed}:{request_id}".encode()) & 0x7FFF_FFFF
 
-    def _fail_batch(self, b: _Batch, error: str) -> list[Effect]:
+    def _fail_batch(self, b: Any, error: str) -> list[Effect]:
         effects: list[Effect] = []
         for rid, m in b.members.items():
             if m.done:
@@ -216,7 +246,7 @@ class HfPrefillEngine(PrefillEngine):
         b.end_ms = self.clock()
         return effects
 
-    def _complete(self, b: _Batch) -> list[Effect]:
+    def _complete(self, b: Any) -> list[Effect]:
         effects = super()._complete(b)
         bs = self.block_size
         for e in effects:
@@ -257,7 +287,7 @@ class HfPrefillEngine(PrefillEngine):
         self._held_kv.pop(rid, None)
         return ev
 
-    def _cancel_member(self, b: _Batch, rid: str) -> list[Effect]:
+    def _cancel_member(self, b: Any, rid: str) -> list[Effect]:
         self._out.pop(rid, None)
         effects = super()._cancel_member(b, rid)
         if self._pending is b and b.phase == "done":
@@ -272,6 +302,7 @@ class HfPrefillEngine(PrefillEngine):
     def reset(self, now: float) -> list[Effect]:
         effects = super().reset(now)
         self._pending = None
+        self._inflight = None  # a compute still running is dropped when it ends
         self._out.clear()
         self._sync_blocks()
         return effects

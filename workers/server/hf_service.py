@@ -55,6 +55,7 @@ class HfWorkerService(WorkerService):
                 self.model,
                 self.profile,
                 clock=clock,
+                wake=self._wake,
                 block_size=self.cfg.block_size,
                 seed=self.cfg.seed,
                 kv_capacity_tokens=self.cfg.kv_capacity_tokens,
@@ -82,6 +83,10 @@ class HfWorkerService(WorkerService):
 
     def _clock(self) -> float:
         return self.runner.model_now()
+
+    def _wake(self) -> None:
+        """From the compute thread: an empty command wakes the engine thread to complete a batch."""
+        self.runner.call_sync(lambda: None)
 
     def _kv_fetch_handler(self) -> Any:
         return self._fetch_local
