@@ -161,19 +161,20 @@ class HfPrefillEngine(PrefillEngine):
         return effects
 
     def _oversized_head(self) -> int:
-        """The head batch's need when it exceeds the budget and the engine holds nothing, else 0."""
+        """The head batch's footprint (its uncached tokens plus the cached blocks it pins) when it
+        exceeds the budget and the engine holds nothing, else 0."""
         if self._running is not None or not self._queue or self._held or self.cache.pinned_tokens:
             return 0
-        need = sum(
-            m.req.input_tokens
-            - min(
-                self.cache.match_prefix(m.req.block_keys), hit_blocks_cap(m.req.input_tokens, self.block_size)
-            )
-            * self.block_size
-            for m in self._queue[0].members.values()
-            if not m.done
-        )
-        return need if need > self.capacity else 0
+        bs = self.block_size
+        need, hits = 0, set()
+        for m in self._queue[0].members.values():
+            if m.done:
+                continue
+            h = min(self.cache.match_prefix(m.req.block_keys), hit_blocks_cap(m.req.input_tokens, bs))
+            hits.update(m.req.block_keys[:h])
+            need += m.req.input_tokens - h * bs
+        footprint = need + len(hits) * bs
+        return footprint if footprint > self.capacity else 0
 
     def _start_compute(self, b: Any) -> list[Effect]:
         """Hand the batch's forward pass to the compute thread. The engine thread stays free for
