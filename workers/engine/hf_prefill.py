@@ -92,6 +92,7 @@ class HfPrefillEngine(PrefillEngine):
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="hf-prefill")
         self._inflight: tuple[Any, list[Any], Future[Any], float] | None = None
         self.wake = wake  # the driver's nudge: a finished compute completes its batch at once
+        self._done_at = 0.0
         self._advancing = False
         self.computed_tokens = 0  # prompt tokens that went through the model
         self.cached_tokens_total = 0  # prompt tokens whose KV came from the block store
@@ -120,10 +121,11 @@ class HfPrefillEngine(PrefillEngine):
     # ---- time: compute the started batch, then let the core complete it ------------------------
     def next_event_time(self) -> float | None:
         if not self._advancing and not self.faults.hang:
+            # Due times are when the event became due, so the driver's lag_ms stays honest.
             if self._pending is not None and self._inflight is None:
-                return self.now  # a started batch waits for its compute to start: now
+                return float(self._pending.start_ms)  # a started batch waits for its compute
             if self._inflight is not None and self._inflight[2].done():
-                return self.now  # its compute ended: complete it now
+                return self._done_at  # its compute ended: complete it now
         return super().next_event_time()
 
     def advance_to(self, t: float) -> list[Effect]:
@@ -194,10 +196,15 @@ class HfPrefillEngine(PrefillEngine):
             log.exception("prefill inputs failed")
             return self._fail_batch(b, f"prefill inputs failed: {type(exc).__name__}: {exc}"[:300])
         fut = self._executor.submit(self.model.prefill, items)
-        if self.wake is not None:
-            fut.add_done_callback(lambda _f: self.wake() if self.wake is not None else None)
+        fut.add_done_callback(self._computed)
         self._inflight = (b, live, fut, self.clock())
         return []
+
+    def _computed(self, _fut: Future[Any]) -> None:
+        """Compute thread: note when it ended (one float write) and wake the driver."""
+        self._done_at = self.clock()
+        if self.wake is not None:
+            self.wake()
 
     def _finish_compute(self) -> list[Effect]:
         assert self._inflight is not None
