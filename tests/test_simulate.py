@@ -8,16 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from app.cache.mirror import CacheMirror
+from app.cache.mirror import CacheMirror, SpecIndex
 from app.report.summary import METRIC_KEYS
 from app.sim.cli import main
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
-from app.sim.mirror import SimMirror, SpecIndex
 from app.traces import Trace, save_trace, synthetic_trace
 from workers.engine import tokens
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # shipped in the repository
 
 
 def shared_prefix_trace(n: int = 400, rate: float = 40.0) -> Trace:
@@ -137,7 +136,7 @@ def test_large_fleet_shortlist_runs() -> None:
 
 def test_fast_match_equals_live_mirror() -> None:
     rng = random.Random(5)
-    live, fast = CacheMirror(2000.0), SimMirror(2000.0)
+    live, fast = CacheMirror(2000.0), CacheMirror(2000.0, holders_index=True)
     spec = SpecIndex(2000.0)
     workers = [f"w{i}" for i in range(6)]
     chains = [[rng.getrandbits(62) for _ in range(12)] for _ in range(5)]
@@ -155,7 +154,8 @@ def test_fast_match_equals_live_mirror() -> None:
         for c in chains:
             for n in (1, 5, 12):
                 want = {w: v for w, v in live.match(c[:n], workers, now).items() if v}
-                assert fast.match_fast(c[:n], spec, now) == want
+                assert fast.match_fast(c[:n], now, spec) == want
+                assert live.match_fast(c[:n], now) == want  # without the holders index
 
 
 def test_small_token_path_matches_vectorised() -> None:
@@ -167,14 +167,13 @@ def test_small_token_path_matches_vectorised() -> None:
         assert tokens.output_tokens(seed, rid, start, n + 1)[:n] == small
 
 
-@pytest.mark.skipif(not (SHARED / "trace_30min.jsonl.gz").exists(), reason="shared traces absent")
 def test_flexlb_trace_slice(tmp_path: Path) -> None:
     doc = json.loads(
         json.dumps(
             main(
                 [
                     "--trace",
-                    str(SHARED / "trace_30min.jsonl.gz"),
+                    str(TRACES / "trace_30min.jsonl.gz"),
                     "--slice",
                     "0:300",
                     "--load",

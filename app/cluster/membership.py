@@ -19,78 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
+from app.cluster.loops import LoopHealth
 from app.state.keys import Keys
+from app.state.scripting import LuaScript, is_noscript
+from app.state.text import to_str_or_none as as_str
 
 log = logging.getLogger(__name__)
-
-
-class LuaScript:
-    """A Lua script run by EVALSHA, loaded on first NOSCRIPT (also after Redis restarts empty).
-
-    Shared by the cluster modules. Unlike redis-py's `Script` in a pipeline, it does not send
-    `SCRIPT EXISTS` before every pipeline, so a steady-state tick costs no extra round trip.
-    """
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        try:
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await redis.script_load(self.source)
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
-
-    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any] = ()) -> None:
-        """Add one call to a pipeline; check its result with `is_noscript` and rerun it if so."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
-
-    async def run_many(self, redis: Redis, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-        """Run many calls in one non-transactional pipeline (one round trip, any slots).
-
-        Results are per call; a failed call's slot holds its exception instead of raising, so one bad
-        key does not hide the others. A connection failure raises for the whole batch.
-        """
-        if not calls:
-            return []
-        pipe = redis.pipeline(transaction=False)
-        for keys, args in calls:
-            self.queue(pipe, keys, args)
-        results: list[Any] = list(await pipe.execute(raise_on_error=False))
-        missing = [i for i, r in enumerate(results) if is_noscript(r)]
-        if missing:
-            # A call answered NOSCRIPT never ran, so rerunning just those is exact even for scripts
-            # whose result is not idempotent.
-            await redis.script_load(self.source)
-            pipe = redis.pipeline(transaction=False)
-            for i in missing:
-                self.queue(pipe, *calls[i])
-            for i, r in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
-                results[i] = r
-        return results
-
-
-def is_noscript(result: Any) -> bool:
-    return isinstance(result, NoScriptError) or (
-        isinstance(result, Exception) and str(result).startswith("NOSCRIPT")
-    )
-
-
-def as_str(v: Any) -> str | None:
-    """Values arrive as bytes or str depending on the client's `decode_responses`; accept both."""
-    if v is None:
-        return None
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 # Server time in ms, as a string Redis accepts as a score (Lua 5.1 would print big numbers as 1.7e+12).
@@ -140,6 +79,7 @@ class Membership:
         ttl_ms: int = 3000,
         *,
         version: str = "",
+        loops: LoopHealth | None = None,
     ) -> None:
         if heartbeat_ms <= 0 or ttl_ms <= heartbeat_ms:
             raise ValueError("membership needs 0 < heartbeat_ms < ttl_ms (a live replica must beat its TTL)")
@@ -150,6 +90,7 @@ class Membership:
         self.heartbeat_ms = heartbeat_ms
         self.ttl_ms = ttl_ms
         self.version = version
+        self.loops = loops or LoopHealth()
         self.started_ms = int(time.time() * 1000)
         self.last_ok: float | None = None  # monotonic time of the last successful heartbeat
         self._stop = asyncio.Event()
@@ -224,8 +165,11 @@ class Membership:
             try:
                 async with asyncio.timeout(period):
                     await self.heartbeat_once()
-            except Exception as e:  # TimeoutError included
-                log.warning("membership heartbeat failed for %s: %r", self.replica_id, e)
+                self.loops.ok("membership")
+            except Exception as e:  # TimeoutError included; counted, retried on the next beat
+                # No extra backoff here: a heartbeat that waits longer than its period is a missed
+                # heartbeat, and the period already spaces the retries.
+                self.loops.record("membership", e)
             next_at += period
             now = time.monotonic()
             if next_at < now:  # fell behind (slow Redis): beat again now, do not burst to catch up

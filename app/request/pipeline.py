@@ -14,21 +14,21 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
 from app.state.handoff import Handoff, pack_tokens
-from app.state.handoff import s as _s
-from app.state.store import _REQUEST_RESERVED, _flatten
+from app.state.store import request_fields
+from app.state.text import to_str as _s
 
 if TYPE_CHECKING:
     from app.gateway.replica import Replica
@@ -55,6 +55,10 @@ class GenRequest:
     # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
     # so recording the request and handing it off may share one round trip.
     fresh_id: bool = False
+    # OpenAI `stop`: fed each output chunk in order, returns how many of its ids to keep when a
+    # stop string completed in it (app/api/stop.py). Decoding then ends with finish_reason "stop".
+    stop: Callable[[Sequence[int]], int | None] | None = None
+    user: str = ""  # OpenAI `user`: only logged
     # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
@@ -120,7 +124,7 @@ class Pipeline:
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
         self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
-        # start and end on the worker's clock, wall time of the reply); see `_owed`.
+        # start and end on the worker's clock, wall time of the reply); see `routing.current_loads`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
         # worker id → (the snapshot dict it was parsed from, registry state, its view): snapshots
         # are replaced, never mutated, a few times a second, while every request ranks every
@@ -141,25 +145,20 @@ class Pipeline:
             else:
                 view = _parse_view(wid, role, snap, state)
                 self._view_cache[wid] = (snap, state, view)
-            queued = view.queued_ms
-            ov = r.queued_overlay.get(wid)
-            if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
-                queued = ov[0]
-            owed = self._owed(wid, snap) if role == "prefill" else 0.0
+            prefill = role == "prefill"
+            queued, owed = current_loads(
+                view.queued_ms,
+                float(snap.get("owed_ms", 0.0) or 0.0) if prefill else 0.0,
+                float(snap.get("now_ms", 0.0) or 0.0),
+                r.queued_overlay.get(wid),
+                r.snapshot_time.get(wid, 0.0),
+                self.finished.get(wid) if prefill else None,
+                time.time() - 5.0,  # older entries are long since reflected, or from an older epoch
+            )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
         return out
-
-    def _owed(self, wid: str, snap: dict[str, str]) -> float:
-        """See `routing.owed_less_finished`; entries older than 5 s are long since reflected, or
-        from an older worker epoch."""
-        owed = float(snap.get("owed_ms", 0.0) or 0.0)
-        done = self.finished.get(wid)
-        if not done:
-            return owed
-        now = float(snap.get("now_ms", 0.0) or 0.0)
-        return owed_less_finished(owed, now, done, time.time() - 5.0)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():
@@ -208,7 +207,7 @@ class Pipeline:
         except ApiError as err:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
-            elif err.code in ("no_worker", "draining"):  # refused before any state was written
+            elif err.code in ("no_worker", "draining", "overloaded"):  # refused before any state was written
                 self._observe(req, p, err.code)
             raise
         except RedisError as exc:  # fail_closed: shared state unreachable mid-request
@@ -218,7 +217,10 @@ class Pipeline:
             await self._abort(req, p, "failed", err)
             raise err from None
         except GeneratorExit:  # the consumer went away (client disconnect)
-            await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
+            # After the last event a consumer that stops iterating closes us here too: that is the
+            # normal end, not a cancel (every completed request was also counted `cancelled`).
+            if p.stage != "done":
+                await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
             raise
         except Exception as exc:
             log.exception("request %s failed", rid, extra={"request_id": rid, "trace_id": req.trace_id})
@@ -237,13 +239,16 @@ class Pipeline:
         KV reservation rides in the record's round trip. `max_tokens: 1` never touches decode."""
         if req.max_new_tokens <= 1:
             return
+        views = self.views("decode")
         try:
             dq = DecodeQuery(len(req.input_ids), req.max_new_tokens)
-            p.decode_worker = self.r.decode_strategy.choose(dq, self.views("decode"), self.rng).worker_id
+            p.decode_worker = self.r.decode_strategy.choose(dq, views, self.rng).worker_id
         except NoWorker as exc:
-            raise ApiError(
-                "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
-            ) from None
+            need = len(req.input_ids) + req.max_new_tokens
+            # KV that is full *now* on a worker big enough is load: 429 overloaded, come back
+            # later. Only when no live worker could ever hold it is it 503 no_worker.
+            fits = any(v.up and not v.draining and v.kv_total_tokens >= need for v in views)
+            raise ApiError("overloaded" if fits else "no_worker", str(exc), retry_after_s=1) from None
 
     async def _record(self, req: GenRequest, p: Progress) -> None:
         """One round trip: the lifecycle record (refused when the id exists), this origin's
@@ -251,9 +256,9 @@ class Pipeline:
         reservation — so the hand-off is the second and last round trip before prefill."""
         r = self.r
         rid = req.request_id
-        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
         dec = p.decode_worker
+        fields = self._record_fields(req, p)
+        args = [r.replica_id, *request_fields(fields)]
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             ["EVALSHA", r.store.sha("create_request"), 1, r.keys.request(rid), *args],
@@ -281,6 +286,23 @@ class Pipeline:
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
 
+    def _record_fields(self, req: GenRequest, p: Progress) -> dict[str, Any]:
+        """The record carries its holds from creation (issue 14): the decode worker and the
+        tokens held there, and the prefill worker when already chosen — so the reconciler and the
+        reaper of a dead origin can release them without trusting the origin to have written its
+        terminal state."""
+        fields: dict[str, Any] = {
+            "endpoint": req.endpoint,
+            "input_tokens": len(req.input_ids),
+            "trace_id": req.trace_id,
+        }
+        if p.decode_worker:
+            fields["decode_worker"] = p.decode_worker
+            fields["decode_tokens"] = len(req.input_ids) + req.max_new_tokens
+        if p.prefill_worker:
+            fields["prefill_worker"] = p.prefill_worker
+        return fields
+
     async def _record_and_append(
         self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
     ) -> tuple[str | None, float, int]:
@@ -289,8 +311,9 @@ class Pipeline:
         queued ms, decode hold: 1 new / 0 refused / -1 no decode)."""
         r = self.r
         rid = req.request_id
-        fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        scripts = r.store._scripts
+        p.prefill_worker = wid
+        fields = self._record_fields(req, p)
+        sha = r.store.sha
         dec = p.decode_worker
         need = len(req.input_ids) + req.max_new_tokens
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
@@ -300,19 +323,19 @@ class Pipeline:
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             [
                 "EVALSHA",
-                scripts["create_request"].sha,
+                sha("create_request"),
                 1,
                 r.keys.request(rid),
                 r.replica_id,
-                *_flatten(fields, _REQUEST_RESERVED),
+                *request_fields(fields),
             ],
         ]
         if dec:
-            cmds.append(["EVALSHA", scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap])
+            cmds.append(["EVALSHA", sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         cmds.append(
             [
                 "EVALSHA",
-                scripts["handoff"].sha,
+                sha("handoff"),
                 2,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
@@ -336,14 +359,9 @@ class Pipeline:
         return entry, queued, held
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
-        """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
-        it again — every command here is idempotent for its request id. Any other error reply
-        is raised."""
-        r = self.r
-        res = await r.store.execute(cmds)
-        if any(isinstance(x, NoScriptError) for x in res):
-            await r.store.load_scripts()
-            res = await r.store.execute(cmds)
+        """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised."""
+        res = await self.r.store.execute_scripts(cmds)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x
@@ -368,6 +386,9 @@ class Pipeline:
             M.DECODE_RESERVE_RETRIES.inc()
             if await r.store.reserve(dec.worker_id, req.request_id, need, cap):
                 p.decode_worker = dec.worker_id
+                # The record names where the hold is (the reconciler and the reaper release it
+                # from there); the first choice held nothing.
+                await r.redis.hset(r.keys.request(req.request_id), "decode_worker", dec.worker_id)
                 return True
             refused.add(dec.worker_id)
         return False
@@ -418,14 +439,16 @@ class Pipeline:
                     req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
                 )
             first = int(reply["first_token"])
+            stopped = False
             if attempt == 0:
                 p.output_ids.append(first)
+                stopped = req.stop is not None and req.stop([first]) is not None
                 yield ("first", first)
-            if req.max_new_tokens == 1:
+            if req.max_new_tokens == 1 or stopped:
                 # No decode will fetch this KV: unpin it now rather than at the handle's expiry
                 # (30 s of pinned prefix the cache could otherwise evict or reuse).
                 self._release_prefill_kv(p.prefill_worker, rid, reply.get("epoch", ""))
-                p.finish_reason = "length"
+                p.finish_reason = "stop" if stopped else "length"
                 return
             reason = ""
             async for ev in self._decode(req, p, reply):
@@ -456,6 +479,10 @@ class Pipeline:
     ) -> dict[str, str]:
         r = self.r
         rid = req.request_id
+        # The queue's counter gains exactly what the entry says (`pred`, 3 decimals), which is what
+        # the owner takes off at commit: 6 decimals here left ~0.0005 ms per request behind, a
+        # drift the reconciler measured at 0.011 ms after 600 requests.
+        predicted = round(predicted, 3)
         p.prefill_worker = wid
         p.handoffs += 1
         attempt = p.handoffs
@@ -541,24 +568,32 @@ class Pipeline:
         p.stage = "decoding"
         self._log("decoding", req, p)
         pre_addr = r.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
+        stream = r.client(dec).decode(
+            req.request_id,
+            snap.get("epoch", ""),
+            len(req.input_ids),
+            req.max_new_tokens - 1,
+            kv_worker=pre_addr,
+            kv_epoch=reply.get("epoch", ""),
+            timeout=req.timeout_ms / 1000,
+        )
         try:
-            async for ev in r.client(dec).decode(
-                req.request_id,
-                snap.get("epoch", ""),
-                len(req.input_ids),
-                req.max_new_tokens - 1,
-                kv_worker=pre_addr,
-                kv_epoch=reply.get("epoch", ""),
-                timeout=req.timeout_ms / 1000,
-            ):
-                if ev.event == "tokens":
-                    if req.request_id in self.cancel_requested:  # a cancel something swallowed
-                        raise asyncio.CancelledError
-                    p.output_ids.extend(ev.tokens)
-                    yield ev.tokens
-                else:
-                    yield ev.finish_reason
-                    return
+            async with contextlib.aclosing(stream):  # leaving early ends the RPC now
+                async for ev in stream:
+                    if ev.event == "tokens":
+                        if req.request_id in self.cancel_requested:  # a cancel something swallowed
+                            raise asyncio.CancelledError
+                        keep = req.stop(ev.tokens) if req.stop is not None else None
+                        tokens = ev.tokens if keep is None else ev.tokens[:keep]
+                        p.output_ids.extend(tokens)
+                        yield tokens
+                        if keep is not None:
+                            await self._stop_decode(req, dec)
+                            yield "stop"
+                            return
+                    else:
+                        yield ev.finish_reason
+                        return
         except WorkerUnavailable as exc:
             task = asyncio.current_task()
             if req.request_id in self.cancel_requested or (task is not None and task.cancelling()):
@@ -566,6 +601,15 @@ class Pipeline:
                 # request ends `cancelled`, not `failed` with a worker_error.
                 raise asyncio.CancelledError from exc
             raise ApiError("worker_error", f"decode worker {dec} failed: {str(exc)[:200]}") from None
+
+    async def _stop_decode(self, req: GenRequest, dec: str) -> None:
+        """A stop string ended the output early: cancel the engine's decode, which frees its KV
+        (the gateway's reservation is released by `_finish`). A failed cancel is logged: the
+        engine still ends the decode at max_new_tokens or the deadline."""
+        try:
+            await asyncio.wait_for(self.r.client(dec).cancel(req.request_id), 2.0)
+        except Exception as exc:
+            log.warning("cancel of stopped decode %s on %s failed: %s", req.request_id, dec, exc)
 
     # ---- endings -------------------------------------------------------------------------
     def _outcome(
@@ -604,7 +648,11 @@ class Pipeline:
         cmds.append(["SREM", r.keys.origin_requests(r.replica_id), rid])
         fields = {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
         cmds.append(r.store.transition_cmd(rid, state, fields, outcome=outcome))
-        await self._round_trip(cmds)
+        # Never lost, never fatal (issue 14): a final round trip Redis did not answer is retried
+        # from the replica's bounded queue (every command here is idempotent for this id). The
+        # client's answer does not wait for it — a stream that sent its last token ends with its
+        # finish_reason even while Redis restarts.
+        await r.terminal.run_or_queue(f"finish {rid}", lambda: self._round_trip(cmds))
         p.stage = "done"
         self._log(
             state, req, p, code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else ""
@@ -626,25 +674,31 @@ class Pipeline:
         self._observe(req, p, err.code)
         if p.stage in ("new", "done"):
             return
-        with contextlib.suppress(Exception):
-            await asyncio.shield(self._abort_inner(req, p, state, err))
+        # Shielded so a second cancel cannot cut the clean-up short. It raises nothing it can
+        # name: state writes that fail are queued for retry, engine cancels that fail are logged
+        # (the engine ends streams whose consumer vanished, and KV handles expire). Anything else
+        # is a bug and must surface, not be swallowed around a state change.
+        await asyncio.shield(self._abort_inner(req, p, state, err))
 
     async def _abort_inner(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
         r = self.r
         rid = req.request_id
         if p.stage == "handed_off" and p.prefill_worker:
             # Queued: the tombstone makes the owner's commit drop it. Dispatched: the engine cancels.
-            with contextlib.suppress(Exception):
-                await r.store.tombstone(p.prefill_worker, rid, 60_000)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+            wid = p.prefill_worker
+            await r.terminal.run_or_queue(f"tombstone {rid}", lambda: r.store.tombstone(wid, rid, 60_000))
+            await self._cancel_on(wid, rid)
         if p.stage == "decoding" and p.decode_worker:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.decode_worker).cancel(rid), 2.0)
+            await self._cancel_on(p.decode_worker, rid)
         if p.stage == "prefilled" and p.prefill_worker:  # KV pinned on prefill, decode never fetched it
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(r.client(p.prefill_worker).cancel(rid), 2.0)
+            await self._cancel_on(p.prefill_worker, rid)
         await self._finish(req, p, state, self._outcome(req, p, state, err))
+
+    async def _cancel_on(self, wid: str, rid: str) -> None:
+        try:
+            await asyncio.wait_for(self.r.client(wid).cancel(rid), 2.0)
+        except (WorkerUnavailable, TimeoutError) as exc:
+            log.info("cancel of %s on %s failed: %s", rid, wid, exc, extra={"request_id": rid})
 
     def _release_prefill_kv(self, wid: str, rid: str, epoch: str) -> None:
         async def release() -> None:
@@ -677,6 +731,8 @@ class Pipeline:
         }
         if code:
             extra["code"] = code
+        if req.user:
+            extra["user"] = req.user
         log.info("request %s %s", req.request_id, event, extra=extra)
 
 

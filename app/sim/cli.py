@@ -9,8 +9,10 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from app.clihelp import ClickStyleParser
+from app.config import Settings
 from app.scheduling.batcher import BatcherConfig
-from app.scheduling.routing import PREFILL_STRATEGIES
+from app.scheduling.policy import DECODE, PREFILL, PolicyBook
 from app.sim.config import BATCHING, PROFILES, SimConfig
 from app.sim.run import PolicySpec, prepare_trace, run_simulation, write_run
 from app.traces import TraceError, load_trace, parse_slice
@@ -18,8 +20,12 @@ from app.traces import TraceError, load_trace, parse_slice
 __all__ = ["build_parser", "main", "parse_policies"]
 
 
-def parse_policies(spec: str, default_batching: str) -> list[PolicySpec]:
-    """``cost,round_robin@direct`` → specs; a name may carry ``@batching`` to override the default."""
+def parse_policies(spec: str, default_batching: str, book: PolicyBook | None = None) -> list[PolicySpec]:
+    """``cost,round_robin@direct`` → specs. A name is a prefill policy of ``book`` (built-in and
+    declared in FLEXLB_POLICIES); ``@batching`` overrides its batching, which is the policy's own
+    when it declares one, else ``default_batching``."""
+    book = book or PolicyBook()
+    known = book.names(PREFILL)
     out: list[PolicySpec] = []
     seen: set[str] = set()
     for raw in spec.split(","):
@@ -27,9 +33,9 @@ def parse_policies(spec: str, default_batching: str) -> list[PolicySpec]:
         if not name:
             continue
         strategy, _, batching = name.partition("@")
-        batching = batching or default_batching
-        if strategy not in PREFILL_STRATEGIES:
-            raise ValueError(f"unknown policy {strategy!r}; known: {', '.join(sorted(PREFILL_STRATEGIES))}")
+        if strategy not in known:
+            raise ValueError(f"unknown policy {strategy!r}; known: {', '.join(known)}")
+        batching = batching or book.get(PREFILL, strategy).batching or default_batching
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r} in {name!r}; known: {', '.join(BATCHING)}")
         if name in seen:
@@ -56,10 +62,10 @@ def _positive_float(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ClickStyleParser(
         prog="flexlb simulate",
         description=(
-            "Discrete-event cluster simulation on a virtual clock: the gateway's real routing strategies, "
+            "Discrete-event cluster simulation on a virtual clock: the gateway's real routing policies, "
             "batcher decisions and predictor drive the workers' real engine core. Trace block ids are "
             "the KV block keys. Writes results.json, summary.md, records.jsonl.gz and PNG plots."
         ),
@@ -68,22 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", required=True, help="trace file (.jsonl or .jsonl.gz): flexlb, mooncake, synthetic"
     )
     ap.add_argument("--format", default="auto", help="auto (by fields), flexlb, mooncake or synthetic")
-    ap.add_argument("--prefill", type=_positive_int, default=8, help="prefill workers (default 8)")
-    ap.add_argument("--decode", type=_positive_int, default=8, help="decode workers (default 8)")
+    ap.add_argument("--prefill", type=_positive_int, default=8, help="prefill workers")
+    ap.add_argument("--decode", type=_positive_int, default=8, help="decode workers")
     ap.add_argument(
         "--policy",
         default="cost,prefix,least_load,round_robin",
-        help="comma-separated prefill strategies, each optionally NAME@BATCHING (default: all four)",
+        help=(
+            "comma-separated prefill policies (built-in: " + ", ".join(PolicyBook().names(PREFILL)) + "; "
+            "more in FLEXLB_POLICIES), each optionally NAME@BATCHING "
+            "(default: cost,prefix,least_load,round_robin)"
+        ),
     )
     ap.add_argument("--batching", default="fixed_window", choices=BATCHING, help="owner batching mode")
-    ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas (default 1)")
+    ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas")
     ap.add_argument(
         "--load",
         type=_positive_float,
         default=None,
         help="offered load as a fraction of the estimated prefill capacity (default: the trace's own times)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     ap.add_argument("--slice", default=None, help="A:B — requests A..B-1 of the trace, before replication")
     ap.add_argument("--copies", type=_positive_int, default=None, help="trace copies (default prefill // 8)")
     ap.add_argument("--max-requests", type=_positive_int, default=None, help="keep the first N arrivals")
@@ -92,13 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kv-capacity-tokens", type=_positive_int, default=None, help="prefill workers' KV (prefix cache)"
     )
-    ap.add_argument("--slo-ttft-ms", type=_positive_float, default=3000.0, help="TTFT SLO for goodput (3000)")
-    ap.add_argument(
-        "--decode-strategy", default=None, help="decode strategy (default: FLEXLB_DECODE_STRATEGY)"
-    )
+    ap.add_argument("--slo-ttft-ms", type=_positive_float, default=3000.0, help="TTFT SLO for goodput")
+    ap.add_argument("--decode-strategy", default=None, help="decode policy (default: FLEXLB_DECODE_STRATEGY)")
     ap.add_argument("--poll-interval-ms", type=_positive_float, default=None, help="owner poll interval")
-    ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher (1 ms)")
-    ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply (1 ms)")
+    ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher")
+    ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply")
     ap.add_argument(
         "--kv-handle-ttl-ms",
         type=_positive_float,
@@ -113,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--candidates", type=_positive_int, default=16, help="shortlist size for large fleets")
     ap.add_argument("--output", default=None, help="output folder (default sim_out/<trace>)")
     ap.add_argument("--quiet", action="store_true", help="no progress or table on stdout")
+    ap.add_argument("--wide", action="store_true", help="print every column, however wide the terminal")
     return ap
 
 
@@ -120,7 +129,8 @@ def main(argv: list[str]) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        policies = parse_policies(args.policy, args.batching)
+        book = PolicyBook(Settings().policies)
+        policies = parse_policies(args.policy, args.batching, book)
         slice_ = parse_slice(args.slice) if args.slice else None
     except ValueError as exc:
         ap.error(str(exc))
@@ -162,9 +172,7 @@ def main(argv: list[str]) -> int:
         )
         cfg.validate()
         cfg.gateway_formula()
-        from app.scheduling.routing import make_decode_strategy
-
-        make_decode_strategy(cfg.decode_strategy)
+        cfg.policy_book().get(DECODE, cfg.decode_strategy)
     except (ValueError, TypeError) as exc:
         ap.error(str(exc))
     try:
@@ -202,6 +210,6 @@ def main(argv: list[str]) -> int:
     if not args.quiet:
         from app.report import print_table
 
-        print_table(run.policies, title=f"flexlb simulate — {trace.name}")
+        print_table(run.policies, title=f"flexlb simulate — {trace.name}", wide=args.wide)
         print(f"wrote {out_dir}/results.json, summary.md, plots ({run.meta['timing_s']['total_s']:.1f} s)")
     return 0

@@ -191,12 +191,17 @@ return 1
 # nothing leaves it. The caller passes terminal states with rank 100: any non-terminal state may
 # end, once. The outcome JSON is built by the caller and stored verbatim (no cjson round trip,
 # which would turn `[]` into `{}` and round floats).
+# One exception to "nothing leaves a terminal state": `owner_lost` is the master's presumption
+# about an origin it stopped hearing from. An origin that was only stalled (SIGSTOP, a long pause)
+# and then completed the request for its client replaces it with `completed` — the client got its
+# answer, so the record must say so (issue 14). Nothing else leaves `owner_lost`.
 TRANSITION = (
     _NOW_MS
     + """
-local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3}
+local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3, owner_lost = -1}
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return 0 end
+if cur == 'owner_lost' and ARGV[1] ~= 'completed' then return 0 end
 local cur_rank = ranks[cur]
 if cur_rank == nil then return 0 end
 if tonumber(ARGV[2]) <= cur_rank then return 0 end
@@ -242,15 +247,6 @@ return {id, add_queued_ms(tonumber(ARGV[2]))}
 """
 )
 
-# KEYS: queue STREAM, queued_ms STRING; ARGV: predicted_ms → queued_ms after taking an entry off.
-# Never below zero: a rebuild or a lost hand-off must not leave a negative queue behind.
-TAKE = (
-    _ADD_QUEUED_MS
-    + """
-return add_queued_ms(-tonumber(ARGV[1]))
-"""
-)
-
 # KEYS: ledger, tombstones, queue; ARGV: batch_id, request_id, ttl, group, entry_id.
 # Settles one member and acknowledges + deletes its hand-off entry in one step: a settled entry
 # never lingers in the stream (DESIGN §5 "streams stay bounded").
@@ -266,7 +262,6 @@ end
 
 ALL: dict[str, str] = {
     "handoff": HANDOFF,
-    "take": TAKE,
     "settle_ack": SETTLE_ACK,
     "ensure_cluster_epoch": ENSURE_CLUSTER_EPOCH,
     "reserve": RESERVE,
