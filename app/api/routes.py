@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
@@ -288,6 +288,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
+    req.sampling = sampling_of(body)
     cid = f"cmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
@@ -418,6 +419,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         stops,
         body.user,
     )
+    req.sampling = sampling_of(body)
     cid = f"chatcmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
@@ -489,6 +491,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         "generate",
         ("max_new_tokens", prompt_field),
     )
+    req.sampling = sampling_of(body)
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
 

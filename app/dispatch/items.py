@@ -22,6 +22,7 @@ class QueueItem:
     t_handoff: float = 0.0  # wall s when the origin appended it
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
+    sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -37,4 +38,5 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         t_handoff=float(m.get("t", 0.0)),
         hit_tokens=int(m.get("hit", 0)),
         attempt=int(m.get("att", 0)),
+        sampling=m.get("smp") or None,
     )

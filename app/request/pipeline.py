@@ -59,6 +59,9 @@ class GenRequest:
     # stop string completed in it (app/api/stop.py). Decoding then ends with finish_reason "stop".
     stop: Callable[[Sequence[int]], int | None] | None = None
     user: str = ""  # OpenAI `user`: only logged
+    # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
+    # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
+    sampling: dict[str, float | int] | None = None
 
 
 @dataclass
@@ -496,6 +499,8 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
+        if req.sampling:
+            meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         held = -1
         fresh = p.stage == "new"
