@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     max_concurrent_requests: int = Field(
         2048, description="generation requests in flight per replica (fast 429 beyond), 0 = no cap"
     )
+    worker_secret: str | None = Field(
+        None, description="the workers' shared secret (their --secret): sent with every control call"
+    )
     heartbeat_ms: int = Field(1000, description="membership heartbeat interval")
     member_ttl_ms: int = Field(3000, description="membership TTL: a replica silent this long is dead")
     lease_ttl_ms: int = Field(3000, description="master and owner lease TTL")

@@ -177,7 +177,7 @@ class Replica:
         c = self.clients.get(wid)
         if c is None:
             addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr)
+            c = self.clients[wid] = WorkerClient(addr, secret=self.settings.worker_secret or "")
         return c
 
     def _make_prefill(self, name: str) -> Policy:
