@@ -291,3 +291,5 @@ def test_only_the_proxy_and_grafana_are_published(compose: dict[str, Any]) -> No
     assert "GRAFANA_ADMIN_PASSWORD:?" in str(services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"])
     for name, svc in _by_cmd(services, "gateway").items():
         assert _env(svc)["FLEXLB_AUTH"] == "keys", name
+    for name in [*_by_cmd(services, "worker"), *_by_cmd(services, "gateway")]:
+        assert "FLEXLB_WORKER_SECRET:?" in str(services[name]["environment"]["FLEXLB_WORKER_SECRET"]), name
