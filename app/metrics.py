@@ -180,6 +180,12 @@ LEDGER_LATE_SETTLED = Counter(
 for _path in ("record", "missed", "ttl"):
     LEDGER_LATE_SETTLED.labels(_path)
 
+LEDGER_ANCHOR_FAILED = Counter(
+    "flexlb_ledger_anchor_failed_total",
+    "Ledger batches whose start could not be moved to the engine's real start (owed stays estimated)",
+    registry=REGISTRY,
+)
+
 
 # ---- per-worker load, exported from the shared snapshots ---------------------------------------
 # Every replica reads the snapshot each worker's owner publishes in Redis and exports the same

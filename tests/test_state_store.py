@@ -427,3 +427,20 @@ async def test_property_matches_model(store: StateStore, ops: list[tuple]) -> No
     res = await asyncio.gather(*(store.release(wid_d, r) for r in held for _ in range(3)))
     assert sum(res) == len(held)
     assert await store.reserved_total(wid_d) == 0
+
+
+async def test_anchor_batch_moves_only_the_start(store: StateStore) -> None:
+    """The owner moves a queued batch's anchor to the engine's real start; members and the
+    prediction stay byte for byte, and a settled batch is left alone."""
+    await _own(store, P)
+    now = 1_700_000_000_000.0
+    await store.commit_batch(P, "q", ["a", "b"], 40.0, now + 1000.0, 1, "A")
+    assert await store.owed_ms(P, now + 10.0) == pytest.approx(40.0)  # not started: owes it all
+    assert await store.anchor_batch(P, "q", now)
+    assert await store.owed_ms(P, now + 10.0) == pytest.approx(30.0)
+    entry = (await store.read_ledger(P))["q"]
+    assert entry["members"] == ["a", "b"] and entry["predicted_ms"] == 40.0 and entry["start_ms"] == now
+    await store.settle(P, "q", "a")
+    await store.settle(P, "q", "b")
+    assert not await store.anchor_batch(P, "q", now)
+    assert await store.read_ledger(P) == {}

@@ -66,13 +66,16 @@ from app.sim.config import SimConfig
 from app.sim.mirror import SimMirror, SpecIndex
 from app.traces.model import Trace
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
-from workers.engine.effects import BatchDone, DecodeFinished, Effect, PrefillResult
+from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
 from workers.engine.prefill import PrefillEngine, PrefillRequest
 
 __all__ = ["ClusterSim", "SimOutcome"]
 
 # Event kinds. At equal times the insertion number orders events, so ties are reproducible.
 _ARRIVAL, _HANDOFF, _TIMER, _PENGINE, _DENGINE, _REPLY, _RELEASE, _POLL, _REFRESH = range(9)
+
+# A ledger batch the engine has not started yet: it owes its whole prediction (elapsed 0).
+_NOT_STARTED = float("inf")
 
 # Engine statuses the origin maps to API codes (app/request/pipeline.py ENGINE_TO_API).
 _ENGINE_TO_API = {
@@ -470,15 +473,17 @@ class ClusterSim:
     def _dispatch(self, w: int, items: list[Pending]) -> None:
         self.n_batches += 1
         bid = f"b{self.n_batches}"
-        predicted = 0.0
+        taken = 0.0
         for p in items:
-            predicted += p.predicted_ms
+            taken += p.predicted_ms
             self.queue_items[w] -= 1
             self.reqs[p.payload].batch_size = len(items)
-        # commit_batch: the ledger anchors the batch at its dispatch; handoff.take removes it from
-        # the queued time.
-        self.ledger[w][bid] = [predicted, self.now, float(len(items))]
-        self.queued_ms[w] = max(0.0, self.queued_ms[w] - predicted)
+        # commit_batch: the ledger owes the batch's own prediction, not yet started (it owes all
+        # of it until the engine's BatchStarted anchors it); handoff.take removes the members'
+        # hand-off predictions from the queued time.
+        predicted = self.formula.predict_batch([p.item for p in items])
+        self.ledger[w][bid] = [predicted, _NOT_STARTED, float(len(items))]
+        self.queued_ms[w] = max(0.0, self.queued_ms[w] - taken)
         self.dispatched_predicted += predicted
         self.p_dirty[w] = True
         tr = self.trace
@@ -499,6 +504,10 @@ class ClusterSim:
                 else:
                     res = (_ENGINE_TO_API.get(e.status, "worker_error"), e)
                 self._push(self.now + self.cfg.reply_latency_ms, _REPLY, i, res)
+            elif isinstance(e, BatchStarted):
+                entry = self.ledger[w].get(e.batch_id)
+                if entry is not None:  # owed time runs from the engine's real start
+                    entry[1] = e.t_ms
             elif isinstance(e, BatchDone):
                 self.batchers[w].batch_finished()
         self.p_dirty[w] = True

@@ -120,6 +120,18 @@ return 1
 """
 )
 
+# KEYS: ledger; ARGV: batch_id, start_ms → 1 moved, 0 not there (settled meanwhile: nothing to do).
+# Only the `start_ms` text is replaced, the rest of the entry stays byte for byte (see SETTLE).
+ANCHOR_BATCH = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local a, b = string.find(raw, '"start_ms":[^,}]*')
+if not a then return 0 end
+local moved = string.sub(raw, 1, a - 1) .. '"start_ms":' .. ARGV[2] .. string.sub(raw, b + 1)
+redis.call('HSET', KEYS[1], ARGV[1], moved)
+return 1
+"""
+
 # KEYS: ledger, tombstones; ARGV: batch_id, done_ttl_ms → number of members settled (0: not there).
 SETTLE_BATCH = (
     _NOW_MS
@@ -273,6 +285,7 @@ ALL: dict[str, str] = {
     "release": RELEASE,
     "commit_batch": COMMIT_BATCH,
     "settle": SETTLE,
+    "anchor_batch": ANCHOR_BATCH,
     "settle_batch": SETTLE_BATCH,
     "tombstone": TOMBSTONE,
     "write_snapshot": WRITE_SNAPSHOT,

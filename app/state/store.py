@@ -269,6 +269,17 @@ class StateStore:
         )
         return int(res) == 1
 
+    async def anchor_batch(self, wid: str, batch_id: str, start_ms: float) -> bool:
+        """Move a committed batch's `start_ms` to where the engine really started it (the owner
+        learns it from the worker's `accepted` and from the end of the batch ahead). Only that
+        field changes; a batch already settled is left alone and False comes back."""
+        return (
+            int(
+                await self._run("anchor_batch", [self.keys.ledger(wid)], [batch_id, f"{float(start_ms):.3f}"])
+            )
+            == 1
+        )
+
     async def settle_batch(self, wid: str, batch_id: str) -> int:
         """Settle every remaining member of a batch at once and return how many there were.
 
