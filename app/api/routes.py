@@ -223,12 +223,33 @@ async def _prepare(
     timeout_ms: int | None,
     body_rid: str | None,
     endpoint: str,
+    deadline_ms: int | None = None,
 ) -> GenRequest:
     _check_limits(r, len(ids), max_new)
     rid, trace, fresh = _ids(request, body_rid)
+    deadline = _deadline(request, deadline_ms)
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
-    return GenRequest(rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint, fresh_id=fresh)
+    return GenRequest(
+        rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint, fresh_id=fresh, deadline_ms=deadline
+    )
+
+
+def _deadline(request: Request, body_ms: int | None) -> float:
+    """The request's TTFT deadline in ms: the body's `deadline_ms`, else the `x-flexlb-slo-ms`
+    header, else 0 (the cluster SLO). SLO admission answers 429 when it cannot be met."""
+    raw: Any = body_ms
+    if raw is None:
+        raw = request.headers.get("x-flexlb-slo-ms")
+        if raw is None:
+            return 0.0
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ApiError("invalid_request", "x-flexlb-slo-ms must be a number of milliseconds") from None
+    if not 0 < v <= 3_600_000:
+        raise ApiError("invalid_request", "deadline_ms must be in (0, 3600000]")
+    return v
 
 
 # ---- OpenAI completions ------------------------------------------------------------------------
@@ -426,7 +447,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         ids = list(body.input_ids)
     else:
         ids = r.tokenizer.encode(body.prompt or "")
-    req = await _prepare(request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate")
+    req = await _prepare(
+        request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate", body.deadline_ms
+    )
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
 

@@ -50,5 +50,8 @@ class GenerateRequest(BaseModel):
     max_new_tokens: StrictInt = 16
     stream: StrictBool = False
     timeout_ms: StrictInt | None = None
+    deadline_ms: StrictInt | None = Field(
+        None, description="TTFT deadline in ms (else header x-flexlb-slo-ms, else the cluster SLO)"
+    )
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     priority: StrictInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")

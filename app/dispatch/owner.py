@@ -47,6 +47,7 @@ class QueueItem:
     t_handoff: float = 0.0  # wall s when the origin appended it
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
+    ttft_deadline_ms: float = 0.0  # wall ms since the epoch its TTFT deadline passes; 0 = none
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -62,6 +63,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         t_handoff=float(m.get("t", 0.0)),
         hit_tokens=int(m.get("hit", 0)),
         attempt=int(m.get("att", 0)),
+        ttft_deadline_ms=float(m.get("ttft_dl", 0.0)),
     )
 
 
@@ -248,6 +250,7 @@ class OwnerDispatcher:
                         now,
                         item.predicted_ms * self.time_scale(),
                         item,
+                        deadline_ms=item.ttft_deadline_ms,
                     )
                 )
                 self.wake.set()
@@ -301,6 +304,7 @@ class OwnerDispatcher:
                         time.time() * 1000,
                         item.predicted_ms * self.time_scale(),
                         item,
+                        deadline_ms=item.ttft_deadline_ms,
                     )
                 )
                 self.wake.set()
@@ -339,9 +343,11 @@ class OwnerDispatcher:
             for p, code in d.failed:
                 item: QueueItem = p.payload  # type: ignore[assignment]
                 M.BATCH_FAILED.labels(code).inc()
+                if code == "deadline_exceeded":
+                    M.ADMISSION_REJECTIONS.labels("deadline_passed_in_queue").inc()
                 await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
             if d.items:
-                self.batcher.batch_started()
+                self.batcher.batch_started(d.items, time.time() * 1000)
                 M.BATCH_FLUSHES.labels(d.reason).inc()
                 M.BATCH_SIZE.observe(len(d.items))
                 now = time.time() * 1000
@@ -360,7 +366,7 @@ class OwnerDispatcher:
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
-        self.batcher.batch_finished()
+        self.batcher.batch_finished(time.time() * 1000)
         self.wake.set()
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:

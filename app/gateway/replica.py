@@ -106,6 +106,8 @@ class Replica:
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
         self.batcher_config = BatcherConfig()
+        self.admission = settings.admission_config()
+        self.admission.validate()
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = make_decode_strategy(settings.decode_strategy)
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs

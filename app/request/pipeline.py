@@ -25,6 +25,9 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
+from app.scheduling.admission import decide as admission_decide
+from app.scheduling.admission import expected_batch_wait_ms
+from app.scheduling.formula import BatchItem
 from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
 from app.state.handoff import Handoff, pack_tokens
 from app.state.handoff import s as _s
@@ -41,6 +44,7 @@ ENGINE_TO_API = {
     "too_long": "invalid_request",
     "invalid_request": "invalid_request",
     "duplicate": "duplicate_request",
+    "deadline_exceeded": "deadline_exceeded",  # the owner ended it: its TTFT deadline passed queued
 }
 
 
@@ -55,6 +59,9 @@ class GenRequest:
     # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
     # so recording the request and handing it off may share one round trip.
     fresh_id: bool = False
+    # TTFT deadline in wall ms from arrival (`deadline_ms` / `x-flexlb-slo-ms`); 0 = the
+    # cluster SLO. SLO admission refuses what cannot meet it; the owner ends it if it passes.
+    deadline_ms: float = 0.0
 
 
 @dataclass
@@ -205,7 +212,7 @@ class Pipeline:
         except ApiError as err:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
-            elif err.code in ("no_worker", "draining"):  # refused before any state was written
+            elif err.code in ("no_worker", "draining", "slo_unattainable"):  # refused before any write
                 self._observe(req, p, err.code)
             raise
         except RedisError as exc:  # fail_closed: shared state unreachable mid-request
@@ -387,6 +394,7 @@ class Pipeline:
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
             ) from None
+        self._admit(req, p, pchoice, pviews)
         retried = False
         for attempt in range(2):
             try:
@@ -438,6 +446,35 @@ class Pipeline:
             p.finish_reason = "length"
             return
 
+    def _admit(self, req: GenRequest, p: Progress, choice: Any, views: list[WorkerView]) -> None:
+        """SLO admission on the chosen worker (app/scheduling/admission.py), before anything is
+        handed off: a request that cannot meet its deadline there gets 429 `slo_unattainable`
+        at once instead of queueing where it would miss anyway and delay the rest."""
+        r = self.r
+        cfg = r.admission
+        if cfg.mode == "off":
+            return
+        view = next((v for v in views if v.id == choice.worker_id), None)
+        if view is None:
+            return
+        scale = float(r.snapshots.get(choice.worker_id, {}).get("time_scale", 1.0) or 1.0)
+        bc = r.batcher_config
+        own = choice.predicted_ms or r.formula.predict_batch(
+            [BatchItem(len(req.input_ids), choice.hit_tokens)]
+        )
+        wait = expected_batch_wait_ms(view, bc.wait_ms, bc.mode == "batch" and bc.algorithm == "fixed_window")
+        deadline = req.deadline_ms or bc.slo_ttft_ms * scale
+        budget = deadline - (time.perf_counter() - p.t0) * 1000
+        v = admission_decide(cfg, view, own, budget, batch_wait_ms=wait, time_scale=scale)
+        if not v.admit:
+            M.ADMISSION_REJECTIONS.labels(v.reason).inc()
+            raise ApiError(
+                "slo_unattainable",
+                f"predicted time to first token {v.predicted_ms:.0f} ms on the best worker exceeds "
+                f"the deadline ({budget:.0f} ms left); retry later",
+                retry_after_s=v.retry_after_s,
+            )
+
     async def _prefill(
         self,
         req: GenRequest,
@@ -466,6 +503,10 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
+        if r.admission.mode != "off":  # the owner ends it typed if this passes while it waits
+            scale = float(r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
+            slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * scale
+            meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         held = -1
         fresh = p.stage == "new"

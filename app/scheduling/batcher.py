@@ -11,6 +11,15 @@ converts them for a driver whose clock runs at the worker's time scale.
 - `slo`: items ordered by deadline (arrival + SLO − predicted time); the batch is filled while
   the head still meets its deadline, and dispatched when the head's slack reaches the guard
   (`deadline`); an item whose SLO has already passed fails typed.
+- `window` (work-conserving, the predicted-time window): an idle worker gets what is waiting at
+  once (`idle`); while it is busy, items wait in the batcher until the predicted end of the
+  batches already on the worker (less `guard_ms`), then go as one batch (`window`). Dispatching
+  earlier would only queue them on the engine behind the same batches, so the wait costs them
+  nothing, and the batch amortises the engine's per-batch cost. The batch is capped so that its
+  predicted end still meets its members' deadlines (the SLO cap): what would not fit stays for
+  the next one. A `max_size` batch goes at once (`full`).
+- Every algorithm: an item whose own deadline (`Pending.deadline_ms`, 0 = none) has passed while
+  it waited fails typed (`deadline_exceeded`) instead of taking engine time from the others.
 - Never more than `max_inflight_batches` dispatched and unfinished. Packing skips what does not
   fit the token/KV budget (no head-of-line blocking); what can never fit fails at once.
 """
@@ -22,9 +31,9 @@ from dataclasses import dataclass, field, replace
 
 from app.scheduling.formula import BatchItem
 
-ALGORITHMS = ("fixed_window", "slo")
+ALGORITHMS = ("fixed_window", "slo", "window")
 MODES = ("batch", "direct")
-REASONS = ("idle", "full", "timeout", "predict_threshold", "deadline", "direct")
+REASONS = ("idle", "full", "timeout", "predict_threshold", "deadline", "direct", "window")
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,7 @@ class Pending:
     arrival_ms: float
     predicted_ms: float = 0.0  # this item alone, in the driver's clock
     payload: object = None
+    deadline_ms: float = 0.0  # when its TTFT deadline passes, in the driver's clock; 0 = none
 
     @property
     def item(self) -> BatchItem:
@@ -101,6 +111,10 @@ class Batcher:
         self.kv_budget_tokens = kv_budget_tokens
         self.pending: list[Pending] = []
         self.inflight = 0
+        # Predicted durations of our batches on the worker, oldest (running) first, and when the
+        # running one started: the predicted end of the worker's backlog (`window`).
+        self._durations: list[float] = []
+        self._busy_from = 0.0
 
     def add(self, p: Pending) -> None:
         self.pending.append(p)
@@ -112,11 +126,25 @@ class Batcher:
                 return True
         return False
 
-    def batch_started(self) -> None:
+    def batch_started(self, items: Sequence[Pending] = (), now_ms: float | None = None) -> None:
         self.inflight += 1
+        if now_ms is not None:
+            if not self._durations:
+                self._busy_from = now_ms
+            self._durations.append(self.predict([p.item for p in items]) if items else 0.0)
 
-    def batch_finished(self) -> None:
+    def batch_finished(self, now_ms: float | None = None) -> None:
         self.inflight = max(0, self.inflight - 1)
+        if self._durations:
+            self._durations.pop(0)
+            if now_ms is not None:
+                self._busy_from = now_ms  # the next batch starts when this one ends
+
+    def busy_until(self, now_ms: float) -> float:
+        """Predicted end of our batches on the worker (`now_ms` when none are known)."""
+        if not self._durations:
+            return now_ms
+        return max(now_ms, self._busy_from + sum(self._durations))
 
     # ---- the decision ---------------------------------------------------------------------
     def decide(self, now_ms: float, worker_busy: bool | None = None) -> Decision:
@@ -124,6 +152,7 @@ class Batcher:
         c = self.config
         d = Decision()
         self._fail_impossible(d)
+        self._fail_late(now_ms, d)
         if c.algorithm == "slo":
             self._fail_expired(now_ms, d)
         if not self.pending or self.inflight >= c.max_inflight_batches:
@@ -135,6 +164,8 @@ class Batcher:
             return d
         if c.algorithm == "slo":
             return self._decide_slo(now_ms, d)
+        if c.algorithm == "window":
+            return self._decide_window(now_ms, busy, d)
         if not busy:
             d.items, d.reason = self._pack(self.pending), "idle"
         else:
@@ -171,6 +202,45 @@ class Batcher:
             ids = {id(p) for p in out}
             self.pending = [p for p in self.pending if id(p) not in ids]
         return out
+
+    def _decide_window(self, now_ms: float, busy: bool, d: Decision) -> Decision:
+        c = self.config
+        if busy and len(self.pending) < c.max_size:
+            start = self.busy_until(now_ms) - c.guard_ms
+            if now_ms < start:
+                d.wake_at_ms = start
+                return d
+        start = self.busy_until(now_ms) if busy else now_ms
+        d.items = self._pack_by_deadline(start)
+        d.reason = ("full" if len(d.items) >= c.max_size else "window") if busy else "idle"
+        return d
+
+    def _pack_by_deadline(self, start_ms: float) -> list[Pending]:
+        """`_pack` in arrival order, then trimmed from the end while the batch's predicted end
+        (from `start_ms`) would miss the earliest deadline among its members (the SLO cap); the
+        first item always goes (it waits for nothing by going alone)."""
+        out = self._pack(self.pending, take=False)
+        while len(out) > 1:
+            end = start_ms + self.predict([p.item for p in out])
+            first = min((p.deadline_ms for p in out if p.deadline_ms), default=0.0)
+            if not first or end <= first:
+                break
+            out.pop()
+        ids = {id(p) for p in out}
+        self.pending = [p for p in self.pending if id(p) not in ids]
+        return out
+
+    def _fail_late(self, now_ms: float, d: Decision) -> None:
+        """Items whose own deadline passed while they waited end typed, not run."""
+        if not any(p.deadline_ms and now_ms > p.deadline_ms for p in self.pending):
+            return
+        keep = []
+        for p in self.pending:
+            if p.deadline_ms and now_ms > p.deadline_ms:
+                d.failed.append((p, "deadline_exceeded"))
+            else:
+                keep.append(p)
+        self.pending = keep
 
     def _fail_impossible(self, d: Decision) -> None:
         c = self.config

@@ -49,6 +49,8 @@ from typing import Any
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import FINISH_LENGTH, EngineStatus
 from app.report.records import RequestRecord
+from app.scheduling.admission import decide as admission_decide
+from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import BatchItem
 from app.scheduling.routing import (
@@ -185,6 +187,7 @@ class ClusterSim:
         ]
         predict = self.formula.predict_batch
         self.batchers = [Batcher(batcher, predict) for _ in range(np_)]
+        self._window_batching = batcher.mode == "batch" and batcher.algorithm == "fixed_window"
         # "Redis": gateway-side shared state.
         self.queued_ms = [0.0] * np_  # hand-off queue's predicted ms per prefill worker
         self.queue_items = [0] * np_
@@ -271,6 +274,7 @@ class ClusterSim:
                 self._decode_effects(a, self.deng[a].advance_to(t))
                 self._resched_d(a)
             elif kind == _HANDOFF:
+                b.arrival_ms = t  # the owner stamps its read, as the live one does
                 self.batchers[a].add(b)
                 self._decide(a)
             elif kind == _TIMER:
@@ -350,6 +354,20 @@ class ClusterSim:
             self.rejections["prefill_queue_full"] += 1
             self._fail(i, "overloaded")
             return
+        # SLO admission on the chosen worker, as the live origin does before its hand-off.
+        own_ms = choice.predicted_ms or self.formula.predict_batch([BatchItem(size, choice.hit_tokens)])
+        view = rep.pviews[w]
+        verdict = admission_decide(
+            self.cfg.admission,
+            view,
+            own_ms,
+            self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
+            batch_wait_ms=expected_batch_wait_ms(view, self.bcfg.wait_ms, self._window_batching),
+        )
+        if not verdict.admit:
+            self.rejections[verdict.reason] += 1
+            self._fail(i, "slo_unattainable")
+            return
         st.prefill = w
         st.predicted_ms = choice.predicted_ms
         # The hand-off script: append, add the predicted ms, answer the new queued time.
@@ -362,7 +380,8 @@ class ClusterSim:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
         rep.pviews[w] = self._pview(rep, w)
         rep.routed_since_pool += 1
-        pend = Pending(rid, size, choice.hit_tokens, 0.0, choice.predicted_ms, i)
+        deadline = tr.arrival_ms + self.cfg.slo_ttft_ms if self.cfg.admission.mode == "slo" else 0.0
+        pend = Pending(rid, size, choice.hit_tokens, 0.0, choice.predicted_ms, i, deadline_ms=deadline)
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
 
     def _choose_prefill(self, rep: _Replica, q: PrefillQuery, hits: dict[str, int]) -> Any:
@@ -456,12 +475,14 @@ class ClusterSim:
         while True:
             d = b.decide(self.now)
             for p, code in d.failed:
+                if code == "deadline_exceeded":
+                    self.rejections["deadline_passed_in_queue"] += 1
                 self.queued_ms[w] = max(0.0, self.queued_ms[w] - p.predicted_ms)
                 self.queue_items[w] -= 1
                 api = _ENGINE_TO_API.get(code, code)
                 self._push(self.now + self.cfg.reply_latency_ms, _REPLY, p.payload, (api, None))
             if d.items:
-                b.batch_started()
+                b.batch_started(d.items, self.now)
                 self.flushes[d.reason] += 1
                 self._dispatch(w, d.items)
                 continue
@@ -509,7 +530,7 @@ class ClusterSim:
                 if entry is not None:  # owed time runs from the engine's real start
                     entry[1] = e.t_ms
             elif isinstance(e, BatchDone):
-                self.batchers[w].batch_finished()
+                self.batchers[w].batch_finished(self.now)
         self.p_dirty[w] = True
 
     def _settle(self, w: int, bid: str) -> None:

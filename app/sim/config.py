@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from app.config import Settings
+from app.scheduling.admission import AdmissionConfig
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, UPSTREAM_FITTED_FORMULA, Formula, compile_formula
 from workers.engine.profiles import EngineProfile, formula_profile, get_profile
@@ -17,7 +18,7 @@ from workers.engine.profiles import EngineProfile, formula_profile, get_profile
 __all__ = ["BATCHING", "PROFILES", "SimConfig", "batcher_config", "engine_profile", "gateway_formula"]
 
 PROFILES = ("llama3.1-8b-h100", "fitted")
-BATCHING = ("fixed_window", "slo", "direct")
+BATCHING = ("fixed_window", "slo", "direct", "window")
 
 
 def engine_profile(name: str, kv_capacity_tokens: int | None = None) -> EngineProfile:
@@ -45,6 +46,8 @@ def batcher_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | None
         cfg = replace(b, algorithm="fixed_window", mode="batch")
     elif batching == "slo":
         cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
+    elif batching == "window":
+        cfg = replace(b, algorithm="window", mode="batch", slo_ttft_ms=slo_ttft_ms)
     elif batching == "direct":
         cfg = replace(b, mode="direct")
     else:
@@ -81,6 +84,8 @@ class SimConfig:
     full_scan_max: int = 64
     candidates: int = 16
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
+    admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:
@@ -91,6 +96,7 @@ class SimConfig:
             raise ValueError("poll interval must be > 0 and latencies >= 0")
         if self.candidates < 1:
             raise ValueError("candidates must be >= 1")
+        self.admission.validate()
 
     def gateway_formula(self) -> Formula:
         return gateway_formula(self.profile, self.formula or _settings().prefill_time_formula)

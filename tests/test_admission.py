@@ -1,0 +1,77 @@
+"""SLO admission (pure decision) and the batcher's predicted-time window and deadline drop."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.scheduling.admission import AdmissionConfig, decide, expected_batch_wait_ms, predicted_ttft_ms
+from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.formula import BatchItem
+from app.scheduling.routing import WorkerView
+
+
+def view(owed: float = 0.0, queued: float = 0.0) -> WorkerView:
+    return WorkerView(id="prefill-0", role="prefill", up=True, owed_ms=owed, queued_ms=queued)
+
+
+def test_predicted_ttft_is_backlog_plus_wait_plus_own_prefill_scaled() -> None:
+    assert predicted_ttft_ms(view(1000, 500), 200, 30) == pytest.approx(1730)
+    assert predicted_ttft_ms(view(1000, 500), 200, 30, time_scale=0.1) == pytest.approx(173)
+
+
+def test_admit_within_budget_refuse_beyond_with_retry_after() -> None:
+    cfg = AdmissionConfig()
+    ok = decide(cfg, view(2000, 500), 400, 3000)
+    assert ok.admit and ok.predicted_ms == pytest.approx(2900)
+    no = decide(cfg, view(4000, 1500), 400, 3000)
+    assert not no.admit and no.reason == "slo_unattainable"
+    assert no.retry_after_s == pytest.approx(2.9)  # the backlog's excess over the budget
+    assert decide(cfg, view(), 10, 0).admit is False  # already late: nothing can meet it
+    # slack admits borderline predictions; off admits everything
+    assert decide(AdmissionConfig(slack=0.5), view(3000, 500), 400, 3000).admit
+    assert decide(AdmissionConfig(mode="off"), view(1e9), 400, 3000).admit
+    with pytest.raises(ValueError):
+        AdmissionConfig(mode="maybe").validate()
+
+
+def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:
+    assert expected_batch_wait_ms(view(), 30, True) == 0.0
+    assert expected_batch_wait_ms(view(10), 30, True) == 30.0
+    assert expected_batch_wait_ms(view(10), 30, False) == 0.0
+
+
+def _predict(items: list[BatchItem]) -> float:
+    return 100.0 + sum(i.input_tokens - i.hit_tokens for i in items) * 0.1  # 100 ms per batch
+
+
+def test_window_is_work_conserving_then_waits_for_the_engine() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=5.0), _predict)
+    b.add(Pending("a", 1000, 0, 0.0))
+    d = b.decide(0.0)
+    assert [p.id for p in d.items] == ["a"] and d.reason == "idle"  # idle worker: at once
+    b.batch_started(d.items, 0.0)  # predicted 200 ms on the engine
+    b.add(Pending("b", 1000, 0, 10.0))
+    b.add(Pending("c", 1000, 0, 20.0))
+    d = b.decide(20.0)
+    assert not d.items and d.wake_at_ms == pytest.approx(195.0)  # just before `a` ends
+    d = b.decide(195.0)
+    assert [p.id for p in d.items] == ["b", "c"] and d.reason == "window"
+    b.batch_started(d.items, 195.0)
+    b.batch_finished(150.0)  # `a` ended early: the b+c batch started then
+    assert b.busy_until(150.0) == pytest.approx(150.0 + 300.0)
+
+
+def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 1000, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)  # busy until 200
+    # x's deadline (750) fits x+y (ends 200 + 100 + 400 = 700), not x+y+z (ends 800)
+    b.add(Pending("x", 2000, 0, 1.0, deadline_ms=750.0))
+    b.add(Pending("y", 2000, 0, 2.0, deadline_ms=5000.0))
+    b.add(Pending("z", 1000, 0, 3.0, deadline_ms=5000.0))
+    d = b.decide(200.0)
+    assert [p.id for p in d.items] == ["x", "y"]
+    # a queued item whose deadline passed ends typed instead of running
+    b.add(Pending("late", 1000, 0, 4.0, deadline_ms=250.0))
+    d = b.decide(300.0)
+    assert [(p.id, code) for p, code in d.failed] == [("late", "deadline_exceeded")]
