@@ -75,3 +75,16 @@ def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> 
     b.add(Pending("late", 1000, 0, 4.0, deadline_ms=250.0))
     d = b.decide(300.0)
     assert [(p.id, code) for p, code in d.failed] == [("late", "deadline_exceeded")]
+
+
+def test_fixed_window_timer_fires_at_its_own_wake_time() -> None:
+    # 0.1 + 0.2 != 0.3 in floats: deciding at the returned wake time must flush, or a driver that
+    # sleeps until exactly then (the simulator) would spin on the same instant forever.
+    b = Batcher(BatcherConfig(wait_ms=0.2), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    b.add(Pending("b", 10, 0, 0.1))
+    d = b.decide(0.1)
+    assert not d.items and d.wake_at_ms is not None
+    d = b.decide(d.wake_at_ms)
+    assert [p.id for p in d.items] == ["b"] and d.reason == "timeout"

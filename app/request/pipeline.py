@@ -508,6 +508,13 @@ class Pipeline:
             slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * scale
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
+        # Counted on our overlay before the round trip: requests routed meanwhile on this replica
+        # (a burst) see it, rather than all ranking and admitting against the same queue.
+        ov = r.queued_overlay.get(wid)
+        base = ov[0] if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0) else None
+        if base is None:
+            base = float(r.snapshots.get(wid, {}).get("queued_ms", 0.0) or 0.0)
+        r.queued_overlay[wid] = (base + predicted, time.time())
         held = -1
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
