@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--max-requests", type=int, default=None, help="first N requests of each workload")
     ap.add_argument("--output", default="bench_out/cliff")
+    ap.add_argument("--fresh-pick", action="store_true", help="cost: power of two on fresh load")
     args = ap.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     reps = [int(x) for x in args.replicas.split(",")]
@@ -127,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
         for nrep in reps:
-            cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+            cfg = SimConfig(
+                prefill=args.prefill, decode=args.decode, replicas=nrep, fresh_pick=args.fresh_pick
+            )
             for load in loads:
                 tr, _info = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
                 run = run_simulation(tr, replace(cfg), pols)

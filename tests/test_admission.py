@@ -65,10 +65,10 @@ def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> 
     b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
     b.add(Pending("a", 1000, 0, 0.0))
     b.batch_started(b.decide(0.0).items, 0.0)  # busy until 200
-    # x's deadline (750) fits x+y (ends 200 + 100 + 400 = 700), not x+y+z (ends 800)
-    b.add(Pending("x", 2000, 0, 1.0, deadline_ms=750.0))
-    b.add(Pending("y", 2000, 0, 2.0, deadline_ms=5000.0))
-    b.add(Pending("z", 1000, 0, 3.0, deadline_ms=5000.0))
+    # x's deadline (345) fits x+y (ends 200 + 100 + 40 = 340), not x+y+z (ends 350)
+    b.add(Pending("x", 200, 0, 1.0, deadline_ms=345.0))
+    b.add(Pending("y", 200, 0, 2.0, deadline_ms=5000.0))
+    b.add(Pending("z", 100, 0, 3.0, deadline_ms=5000.0))
     d = b.decide(200.0)
     assert [p.id for p in d.items] == ["x", "y"]
     # a queued item whose deadline passed ends typed instead of running
@@ -88,3 +88,20 @@ def test_fixed_window_timer_fires_at_its_own_wake_time() -> None:
     assert not d.items and d.wake_at_ms is not None
     d = b.decide(d.wake_at_ms)
     assert [p.id for p in d.items] == ["b"] and d.reason == "timeout"
+
+
+def test_window_batches_only_what_pays() -> None:
+    # Long prompts share little (100 ms fixed vs 200 ms each): a batch would make the first wait
+    # for all of them, so they go one at a time; short ones share the fixed cost and batch.
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    for i in range(3):
+        b.add(Pending(f"long{i}", 2000, 0, 1.0))
+    assert [p.id for p in b.decide(101.0).items] == ["long0"]
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    for i in range(3):
+        b.add(Pending(f"short{i}", 100, 0, 1.0))
+    assert [p.id for p in b.decide(101.0).items] == ["short0", "short1", "short2"]

@@ -216,10 +216,17 @@ class Batcher:
         return d
 
     def _pack_by_deadline(self, start_ms: float) -> list[Pending]:
-        """`_pack` in arrival order, then trimmed from the end while the batch's predicted end
-        (from `start_ms`) would miss the earliest deadline among its members (the SLO cap); the
-        first item always goes (it waits for nothing by going alone)."""
+        """`_pack` in arrival order, cut to the longest prefix that pays, then trimmed from the
+        end while the batch's predicted end (from `start_ms`) would miss the earliest deadline
+        among its members (the SLO cap); the first item always goes.
+
+        A batch pays when its members' summed predicted finish times are no later than if each
+        went alone in the same order: every member of a batch gets its first token when the
+        whole batch ends, so batching long prompts (compute-bound, little per-batch cost to
+        share) only delays the first ones, while short prompts share the fixed cost and all gain.
+        """
         out = self._pack(self.pending, take=False)
+        out = out[: self._paying_prefix(out)]
         while len(out) > 1:
             end = start_ms + self.predict([p.item for p in out])
             first = min((p.deadline_ms for p in out if p.deadline_ms), default=0.0)
@@ -229,6 +236,17 @@ class Batcher:
         ids = {id(p) for p in out}
         self.pending = [p for p in self.pending if id(p) not in ids]
         return out
+
+    def _paying_prefix(self, items: list[Pending]) -> int:
+        """Largest m such that m × predict(first m) ≤ Σ_k (Σ_{j≤k} predict(item j alone))."""
+        best = 1
+        finish = total = 0.0
+        for m in range(1, len(items) + 1):
+            finish += self.predict([items[m - 1].item])
+            total += finish
+            if m > 1 and m * self.predict([p.item for p in items[:m]]) <= total:
+                best = m
+        return best
 
     def _fail_late(self, now_ms: float, d: Decision) -> None:
         """Items whose own deadline passed while they waited end typed, not run."""

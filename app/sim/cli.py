@@ -12,6 +12,7 @@ from pathlib import Path
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.routing import PREFILL_STRATEGIES
 from app.sim.config import BATCHING, PROFILES, SimConfig
+from app.sim.peers import PEERS
 from app.sim.run import PolicySpec, prepare_trace, run_simulation, write_run
 from app.traces import TraceError, load_trace, parse_slice
 
@@ -28,8 +29,9 @@ def parse_policies(spec: str, default_batching: str) -> list[PolicySpec]:
             continue
         strategy, _, batching = name.partition("@")
         batching = batching or default_batching
-        if strategy not in PREFILL_STRATEGIES:
-            raise ValueError(f"unknown policy {strategy!r}; known: {', '.join(sorted(PREFILL_STRATEGIES))}")
+        if strategy not in PREFILL_STRATEGIES and strategy not in PEERS:
+            known = ", ".join(sorted([*PREFILL_STRATEGIES, *PEERS]))
+            raise ValueError(f"unknown policy {strategy!r}; known: {known}")
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r} in {name!r}; known: {', '.join(BATCHING)}")
         if name in seen:

@@ -66,6 +66,7 @@ from app.scheduling.routing import (
 )
 from app.sim.config import SimConfig
 from app.sim.mirror import SimMirror, SpecIndex
+from app.sim.peers import PEERS, make_peer
 from app.traces.model import Trace
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
 from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
@@ -132,7 +133,8 @@ class _Replica:
         cfg = sim.cfg
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        self.pstrat = make_prefill_strategy(policy, formula=sim.formula)
+        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
+        self.pstrat = make_prefill_strategy("cost" if self.peer else policy, formula=sim.formula)
         self.dstrat = make_decode_strategy(cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
@@ -344,11 +346,17 @@ class ClusterSim:
         hits = self.mirror.match_fast(keys, rep.spec, self.now) if keys else {}
         q = PrefillQuery(size, hits, self.bs)
         try:
-            choice = self._choose_prefill(rep, q, hits)
+            if rep.peer is not None:
+                waiting = {self.pids[j]: n for j, n in enumerate(self.queue_items)}
+                choice = rep.peer.choose(keys, q, rep.pviews, rep.rng, waiting)
+            else:
+                choice = self._choose_prefill(rep, q, hits)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
+        if self.cfg.fresh_pick and rep.peer is None and rep.pstrat.name == "cost":
+            choice = self._fresh_pick(rep, q, choice)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
@@ -405,6 +413,34 @@ class ClusterSim:
             return rep.pstrat.choose(q, cands, rep.rng)
         except NoWorker:
             return rep.pstrat.choose(q, views, rep.rng)
+
+    def _live_load(self, w: int) -> float:
+        """What the hand-off script reads in its round trip: the ledger's owed ms now plus the
+        queued ms, including every replica's hand-offs since the last snapshot."""
+        owed = 0.0
+        now = self.now
+        for pred, start, _left in self.ledger[w].values():
+            elapsed = now - start if now > start else 0.0
+            if pred > elapsed:
+                owed += pred - elapsed
+        return owed + self.queued_ms[w]
+
+    def _fresh_pick(self, rep: _Replica, q: PrefillQuery, choice: Any) -> Any:
+        """Power of two choices on fresh load: the strategy's pick and its runner-up (by this
+        replica's possibly stale view) are compared on the shared state as the hand-off round
+        trip reads it, and the request goes where it is predicted to finish first. Other
+        replicas' decisions since the last snapshot are in that state, so replicas stop herding
+        onto the worker that looked idlest to all of them."""
+        views = [v for v in rep.pviews if v.id != choice.worker_id]
+        try:
+            alt = rep.pstrat.choose(q, views, rep.rng)
+        except NoWorker:
+            return choice
+        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
+        ca = choice.predicted_ms + self._live_load(a)
+        cb = alt.predicted_ms + self._live_load(b)
+        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
+        return alt if cb < ca - tie else choice
 
     def _refresh_pool(self, rep: _Replica) -> None:
         rep.routed_since_pool = 0
@@ -545,6 +581,9 @@ class ClusterSim:
     def _reply(self, i: int, res: tuple[str | None, PrefillResult | None]) -> None:
         code, r = res
         st = self.reqs[i]
+        peer = self.replicas[st.origin].peer
+        if peer is not None and st.prefill >= 0:
+            peer.finished(self.pids[st.prefill], -(-self.trace.requests[i].input_len // self.bs))
         if code is not None:
             self._fail(i, code)
             return

@@ -86,6 +86,8 @@ class SimConfig:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
     admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
+    # `cost` compares its pick and runner-up on fresh shared load (app/sim/cluster.py _fresh_pick).
+    fresh_pick: bool = False
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:
