@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     admission_slack: float = Field(
         0.0, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
     )
+    admission_drop_late: str = Field(
+        "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"
+    )
     default_timeout_ms: int = Field(120_000, description="request deadline when the client gives none")
     max_new_tokens_limit: int = Field(8192, description="largest max_tokens accepted")
     max_context_tokens: int = Field(131072, description="largest prompt + output accepted")
@@ -51,4 +54,6 @@ class Settings(BaseSettings):
 
     def admission_config(self) -> AdmissionConfig:
         """The origin's SLO admission knobs, shared with the simulator (`SimConfig.admission`)."""
-        return AdmissionConfig(mode=self.admission, slack=self.admission_slack)
+        return AdmissionConfig(
+            mode=self.admission, slack=self.admission_slack, drop_late=self.admission_drop_late
+        )

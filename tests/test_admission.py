@@ -80,7 +80,7 @@ def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> 
 def test_fixed_window_timer_fires_at_its_own_wake_time() -> None:
     # 0.1 + 0.2 != 0.3 in floats: deciding at the returned wake time must flush, or a driver that
     # sleeps until exactly then (the simulator) would spin on the same instant forever.
-    b = Batcher(BatcherConfig(wait_ms=0.2), _predict)
+    b = Batcher(BatcherConfig(algorithm="fixed_window", wait_ms=0.2), _predict)
     b.add(Pending("a", 10, 0, 0.0))
     b.batch_started(b.decide(0.0).items, 0.0)
     b.add(Pending("b", 10, 0, 0.1))

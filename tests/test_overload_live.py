@@ -14,7 +14,7 @@ from app.rpc.worker_client import WorkerClient
 
 from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
-SLO_MS = 2000
+SLO_MS = 3000
 
 
 def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast(
@@ -24,7 +24,7 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
     d = worker_pool["decode"][0]
 
     async def conf(reset: bool) -> None:
-        for addr, kw in ((p.address, {"formula": "300", "time_scale": 1.0}), (d.address, {})):
+        for addr, kw in ((p.address, {"formula": "500", "time_scale": 1.0}), (d.address, {})):
             c = WorkerClient(addr)
             await c.reset()
             if not reset and kw:
@@ -35,13 +35,13 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
     try:
         wait_for(lambda: gw.readyz()["ready"], 15, what="ready")
-        # One request per batch (so capacity is exactly 1 per 300 ms) and a gateway predictor
-        # a little pessimistic (400 ms), as a calibrated one should be.
+        # One request per batch (so capacity is exactly 1 per 500 ms) and a gateway predictor
+        # a little pessimistic (600 ms), as a calibrated one should be.
         h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-        cfg = {"schedule_mode": "direct", "prefill_time_formula": "400"}
+        cfg = {"schedule_mode": "direct", "prefill_time_formula": "600"}
         assert httpx.put(gw.url + "/admin/config", json=cfg, headers=h).status_code == 200
         wait_for(lambda: "runtime config v1 applied" in gw.log(), 5, what="config applied")
-        n = 16  # ~2.4 s of work offered at once against a 2 s deadline: ~3x what fits
+        n = 16  # ~9.6 s of work offered at once against a 3 s deadline: ~3x what fits
 
         async def one(c: httpx.AsyncClient, i: int) -> tuple[int, float, dict, str]:
             body: dict = {"prompt": f"overload {i} " + "w" * 40, "max_new_tokens": 1}
@@ -69,13 +69,17 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
         ok = [r for r in rs if r[0] == 200]
         refused = [r for r in rs if r[0] == 429]
         assert len(ok) + len(refused) == n, [(r[0], r[2]) for r in rs if r[0] not in (200, 429)]
-        # 2000 ms / 400 ms predicted each: 4-5 fit; the rest are refused, typed, with Retry-After
+        # 3000 ms / 600 ms predicted each: ~5 fit; the rest are refused, typed, with Retry-After
         assert 3 <= len(ok) <= 6, [(r[0], round(r[1])) for r in rs]
         assert all(r[2]["error"]["code"] == "slo_unattainable" and int(r[3]) >= 1 for r in refused)
         # admitted: within the deadline (loose wall-clock margin for a loaded box is NOT added)
         assert max(r[1] for r in ok) <= SLO_MS, sorted(round(r[1]) for r in ok)
-        # refused at once: far below one prefill (loose bound for a shared 2-core box)
-        assert max(r[1] for r in refused) < 250, sorted(round(r[1]) for r in refused)
+        # refused at once: every refusal is back before the first admitted request's prefill
+        # (500 ms) ends, whatever the load on the box
+        assert max(r[1] for r in refused) < min(r[1] for r in ok), (
+            sorted(round(r[1]) for r in refused),
+            sorted(round(r[1]) for r in ok),
+        )
         metrics = gw.get("/metrics").text
         line = next(
             x

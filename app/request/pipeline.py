@@ -130,6 +130,8 @@ class Pipeline:
         # are replaced, never mutated, a few times a second, while every request ranks every
         # worker: parse each snapshot once, not ~10 text fields per worker per request.
         self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
+        # worker id → (its ledger's owed ms, wall s) as our last hand-off there read it
+        self.owed_overlay: dict[str, tuple[float, float]] = {}
 
     # ---- routing inputs ------------------------------------------------------------------
     def views(self, role: str) -> list[WorkerView]:
@@ -150,6 +152,11 @@ class Pipeline:
             if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
                 queued = ov[0]
             owed = self._owed(wid, snap) if role == "prefill" else 0.0
+            fresh = self.owed_overlay.get(wid) if role == "prefill" else None
+            if fresh is not None and fresh[1] >= r.snapshot_time.get(wid, 0.0):
+                # read in our last hand-off's round trip, newer than the snapshot: aged since
+                scale = float(snap.get("time_scale", 1.0) or 1.0)
+                owed = max(0.0, fresh[0] - (time.time() - fresh[1]) * 1000.0 / scale)
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
@@ -287,10 +294,10 @@ class Pipeline:
 
     async def _record_and_append(
         self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
-    ) -> tuple[str | None, float, int]:
+    ) -> tuple[str | None, float, float, int]:
         """`_record` and the hand-off in ONE pipeline (DESIGN §3: the origin's only serial round
         trip), for ids the gateway generated. Returns (entry id or None when the queue is full,
-        queued ms, decode hold: 1 new / 0 refused / -1 no decode)."""
+        queued ms, owed ms, decode hold: 1 new / 0 refused / -1 no decode)."""
         r = self.r
         rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
@@ -317,13 +324,15 @@ class Pipeline:
             [
                 "EVALSHA",
                 scripts["handoff"].sha,
-                2,
+                3,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
+                r.keys.ledger(wid),
                 r.settings.max_queue_len,
                 f"{predicted:.6f}",
                 meta_json,
                 ids,
+                f"{self._scale(wid):g}",
             ]
         )
         # Whatever applied before a failure must be cleaned up as if handed off.
@@ -333,11 +342,15 @@ class Pipeline:
             await r.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
         held = int(res[2]) if dec else -1
-        entry, queued = _s(res[-1][0]), float(_s(res[-1][1]))
+        entry, queued, owed = _s(res[-1][0]), float(_s(res[-1][1])), float(_s(res[-1][2]))
         if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
             p.stage = "recorded"
-            return None, queued, held
-        return entry, queued, held
+            return None, queued, owed, held
+        return entry, queued, owed, held
+
+    def _scale(self, wid: str) -> float:
+        """The worker's time scale (wall ms per modelled ms) from its snapshot."""
+        return float(self.r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
         """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
@@ -503,7 +516,8 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
-        if r.admission.mode != "off":  # the owner ends it typed if this passes while it waits
+        if r.admission.mode != "off" and (req.deadline_ms or r.admission.drop_late == "always"):
+            # the owner ends it typed if this passes while it waits
             scale = float(r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
             slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * scale
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
@@ -518,11 +532,17 @@ class Pipeline:
         held = -1
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
-            entry, queued, held = await self._record_and_append(req, p, wid, meta, predicted)
+            entry, queued, owed, held = await self._record_and_append(req, p, wid, meta, predicted)
         else:
-            entry, queued = await self.handoff.append(
-                wid, meta, p.packed or pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
+            entry, queued, owed = await self.handoff.append(
+                wid,
+                meta,
+                p.packed or pack_tokens(req.input_ids),
+                predicted,
+                r.settings.max_queue_len,
+                self._scale(wid),
             )
+        self.owed_overlay[wid] = (owed, time.time())
         if entry is None:
             r.replies.forget(rid)
             if fresh:

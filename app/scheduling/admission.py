@@ -32,9 +32,18 @@ from dataclasses import dataclass
 
 from app.scheduling.routing import WorkerView
 
-__all__ = ["ADMISSION_MODES", "REJECT_REASONS", "AdmissionConfig", "Verdict", "decide", "predicted_ttft_ms"]
+__all__ = [
+    "ADMISSION_MODES",
+    "DROP_LATE",
+    "REJECT_REASONS",
+    "AdmissionConfig",
+    "Verdict",
+    "decide",
+    "predicted_ttft_ms",
+]
 
 ADMISSION_MODES = ("slo", "off")
+DROP_LATE = ("explicit", "always")
 #: Every reason a request may be refused or ended for its deadline (pre-registered metric labels).
 REJECT_REASONS = ("slo_unattainable", "deadline_passed_in_queue")
 
@@ -44,12 +53,18 @@ class AdmissionConfig:
     mode: str = "slo"
     slack: float = 0.0  # fraction of the budget a prediction may exceed it by and still be admitted
     retry_after_s: float = 1.0
+    # Which admitted requests the owner ends once their deadline passes in its queue: only those
+    # whose client set one (`explicit`), or also those held to the cluster SLO (`always`). A
+    # client that named no deadline is served late rather than not at all, unless told otherwise.
+    drop_late: str = "explicit"
 
     def validate(self) -> None:
         if self.mode not in ADMISSION_MODES:
             raise ValueError(f"admission mode must be one of {ADMISSION_MODES}")
         if not -0.9 <= self.slack <= 10.0:
             raise ValueError("admission slack must be in [-0.9, 10]")
+        if self.drop_late not in DROP_LATE:
+            raise ValueError(f"admission drop_late must be one of {DROP_LATE}")
         if self.retry_after_s <= 0:
             raise ValueError("admission retry_after_s must be > 0")
 

@@ -38,7 +38,7 @@ REASONS = ("idle", "full", "timeout", "predict_threshold", "deadline", "direct",
 
 @dataclass(frozen=True)
 class BatcherConfig:
-    algorithm: str = "fixed_window"
+    algorithm: str = "window"
     mode: str = "batch"
     max_size: int = 16
     wait_ms: float = 30.0

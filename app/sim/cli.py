@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cost,prefix,least_load,round_robin",
         help="comma-separated prefill strategies, each optionally NAME@BATCHING (default: all four)",
     )
-    ap.add_argument("--batching", default="fixed_window", choices=BATCHING, help="owner batching mode")
+    ap.add_argument("--batching", default="window", choices=BATCHING, help="owner batching mode (window)")
     ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas (default 1)")
     ap.add_argument(
         "--load",

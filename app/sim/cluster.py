@@ -142,6 +142,7 @@ class _Replica:
         self.d_seen = [-1] * cfg.decode
         self.snap_time = -1.0
         self.overlay: dict[int, tuple[float, float]] = {}
+        self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
         self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
         self.spec = SpecIndex(cfg.speculative_ttl_ms)
         self.pviews: list[WorkerView] = []
@@ -383,12 +384,17 @@ class ClusterSim:
         self.queue_items[w] += 1
         self.p_dirty[w] = True
         rep.overlay[w] = (self.queued_ms[w], self.now)
+        rep.fresh_owed[w] = (self._live_load(w) - self.queued_ms[w], self.now)  # the script's read
         cap = hit_blocks_cap(size, self.bs)
         if keys:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
         rep.pviews[w] = self._pview(rep, w)
         rep.routed_since_pool += 1
-        deadline = tr.arrival_ms + self.cfg.slo_ttft_ms if self.cfg.admission.mode == "slo" else 0.0
+        # Trace requests name no deadline of their own: the owner ends them late only when told to.
+        adm = self.cfg.admission
+        deadline = (
+            tr.arrival_ms + self.cfg.slo_ttft_ms if adm.mode == "slo" and adm.drop_late == "always" else 0.0
+        )
         pend = Pending(rid, size, choice.hit_tokens, 0.0, choice.predicted_ms, i, deadline_ms=deadline)
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
 
@@ -702,6 +708,7 @@ class ClusterSim:
             rep.dviews = [self._dview(rep, d) for d in range(len(self.dids))]
         changed = set(rep.overlay)  # the refresh makes every overlay older than the snapshot
         rep.overlay.clear()
+        rep.fresh_owed.clear()
         for w, ver in enumerate(self.p_pub_ver):
             if ver != rep.p_seen[w]:
                 rep.p_seen[w] = ver
@@ -735,6 +742,9 @@ class ClusterSim:
         done = rep.finished.get(w)
         if done:  # as Pipeline._owed: our prefills that finished since the snapshot
             owed = owed_less_finished(owed, s[6], done, self.now - 5000.0)
+        fresh = rep.fresh_owed.get(w)
+        if fresh is not None and fresh[1] >= rep.snap_time:  # as Pipeline.views: aged since read
+            owed = max(0.0, fresh[0] - (self.now - fresh[1]))
         return WorkerView(
             id=self.pids[w],
             role="prefill",
