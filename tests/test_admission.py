@@ -72,9 +72,11 @@ def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> 
     d = b.decide(200.0)
     assert [p.id for p in d.items] == ["x", "y"]
     # a queued item whose deadline passed ends typed instead of running
-    b.add(Pending("late", 1000, 0, 4.0, deadline_ms=250.0))
+    b.add(Pending("late", 1000, 0, 4.0, deadline_ms=250.0, drop_late=True))
+    b.add(Pending("kept", 1000, 0, 4.0, deadline_ms=250.0))  # held to the SLO, not dropped: it runs
     d = b.decide(300.0)
     assert [(p.id, code) for p, code in d.failed] == [("late", "deadline_exceeded")]
+    assert "kept" in [p.id for p in b.pending] + [p.id for p in d.items]
 
 
 def test_fixed_window_timer_fires_at_its_own_wake_time() -> None:

@@ -48,6 +48,7 @@ class QueueItem:
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
     ttft_deadline_ms: float = 0.0  # wall ms since the epoch its TTFT deadline passes; 0 = none
+    drop_late: bool = False  # end it typed if that deadline passes while it waits here
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -64,6 +65,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         hit_tokens=int(m.get("hit", 0)),
         attempt=int(m.get("att", 0)),
         ttft_deadline_ms=float(m.get("ttft_dl", 0.0)),
+        drop_late=bool(m.get("drop", 0)),
     )
 
 
@@ -251,6 +253,7 @@ class OwnerDispatcher:
                         item.predicted_ms * self.time_scale(),
                         item,
                         deadline_ms=item.ttft_deadline_ms,
+                        drop_late=item.drop_late,
                     )
                 )
                 self.wake.set()
@@ -305,6 +308,7 @@ class OwnerDispatcher:
                         item.predicted_ms * self.time_scale(),
                         item,
                         deadline_ms=item.ttft_deadline_ms,
+                        drop_late=item.drop_late,
                     )
                 )
                 self.wake.set()

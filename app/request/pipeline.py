@@ -516,11 +516,13 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
-        if r.admission.mode != "off" and (req.deadline_ms or r.admission.drop_late == "always"):
-            # the owner ends it typed if this passes while it waits
-            scale = float(r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
-            slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * scale
+        if r.admission.mode != "off":
+            # the owner's batcher caps batches by it, and ends the request typed if it passes
+            # while queued when the client set it (or FLEXLB_ADMISSION_DROP_LATE=always)
+            slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * self._scale(wid)
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
+            if req.deadline_ms or r.admission.drop_late == "always":
+                meta["drop"] = 1
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         # Counted on our overlay before the round trip: requests routed meanwhile on this replica
         # (a burst) see it, rather than all ranking and admitting against the same queue.

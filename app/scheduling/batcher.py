@@ -18,8 +18,9 @@ converts them for a driver whose clock runs at the worker's time scale.
   nothing, and the batch amortises the engine's per-batch cost. The batch is capped so that its
   predicted end still meets its members' deadlines (the SLO cap): what would not fit stays for
   the next one. A `max_size` batch goes at once (`full`).
-- Every algorithm: an item whose own deadline (`Pending.deadline_ms`, 0 = none) has passed while
-  it waited fails typed (`deadline_exceeded`) instead of taking engine time from the others.
+- Every algorithm: an item marked `drop_late` whose deadline (`Pending.deadline_ms`, 0 = none)
+  has passed while it waited fails typed (`deadline_exceeded`) instead of taking engine time
+  from the others.
 - Never more than `max_inflight_batches` dispatched and unfinished. Packing skips what does not
   fit the token/KV budget (no head-of-line blocking); what can never fit fails at once.
 """
@@ -86,6 +87,7 @@ class Pending:
     predicted_ms: float = 0.0  # this item alone, in the driver's clock
     payload: object = None
     deadline_ms: float = 0.0  # when its TTFT deadline passes, in the driver's clock; 0 = none
+    drop_late: bool = False  # end it typed once the deadline passes (else it only caps batches)
 
     @property
     def item(self) -> BatchItem:
@@ -250,11 +252,11 @@ class Batcher:
 
     def _fail_late(self, now_ms: float, d: Decision) -> None:
         """Items whose own deadline passed while they waited end typed, not run."""
-        if not any(p.deadline_ms and now_ms > p.deadline_ms for p in self.pending):
+        if not any(p.drop_late and p.deadline_ms and now_ms > p.deadline_ms for p in self.pending):
             return
         keep = []
         for p in self.pending:
-            if p.deadline_ms and now_ms > p.deadline_ms:
+            if p.drop_late and p.deadline_ms and now_ms > p.deadline_ms:
                 d.failed.append((p, "deadline_exceeded"))
             else:
                 keep.append(p)

@@ -49,8 +49,8 @@ from typing import Any
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import FINISH_LENGTH, EngineStatus
 from app.report.records import RequestRecord
+from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
 from app.scheduling.admission import decide as admission_decide
-from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import BatchItem
 from app.scheduling.routing import (
@@ -76,6 +76,8 @@ __all__ = ["ClusterSim", "SimOutcome"]
 
 # Event kinds. At equal times the insertion number orders events, so ties are reproducible.
 _ARRIVAL, _HANDOFF, _TIMER, _PENGINE, _DENGINE, _REPLY, _RELEASE, _POLL, _REFRESH = range(9)
+
+_NO_ADMISSION = AdmissionConfig(mode="off")
 
 # A ledger batch the engine has not started yet: it owes its whole prediction (elapsed 0).
 _NOT_STARTED = float("inf")
@@ -363,11 +365,12 @@ class ClusterSim:
             self.rejections["prefill_queue_full"] += 1
             self._fail(i, "overloaded")
             return
-        # SLO admission on the chosen worker, as the live origin does before its hand-off.
+        # SLO admission on the chosen worker, as the live origin does before its hand-off. Peer
+        # imitations run without it: the routers they imitate have none.
         own_ms = choice.predicted_ms or self.formula.predict_batch([BatchItem(size, choice.hit_tokens)])
         view = rep.pviews[w]
         verdict = admission_decide(
-            self.cfg.admission,
+            self.cfg.admission if rep.peer is None else _NO_ADMISSION,
             view,
             own_ms,
             self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
@@ -390,12 +393,20 @@ class ClusterSim:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
         rep.pviews[w] = self._pview(rep, w)
         rep.routed_since_pool += 1
-        # Trace requests name no deadline of their own: the owner ends them late only when told to.
+        # Trace requests name no deadline of their own: held to the cluster SLO (it caps batches),
+        # ended late by the owner only when told to, as the live origin does.
         adm = self.cfg.admission
-        deadline = (
-            tr.arrival_ms + self.cfg.slo_ttft_ms if adm.mode == "slo" and adm.drop_late == "always" else 0.0
+        slo = adm.mode == "slo" and rep.peer is None
+        pend = Pending(
+            rid,
+            size,
+            choice.hit_tokens,
+            0.0,
+            choice.predicted_ms,
+            i,
+            deadline_ms=tr.arrival_ms + self.cfg.slo_ttft_ms if slo else 0.0,
+            drop_late=slo and adm.drop_late == "always",
         )
-        pend = Pending(rid, size, choice.hit_tokens, 0.0, choice.predicted_ms, i, deadline_ms=deadline)
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
 
     def _choose_prefill(self, rep: _Replica, q: PrefillQuery, hits: dict[str, int]) -> Any:
