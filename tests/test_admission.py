@@ -44,27 +44,32 @@ def _predict(items: list[BatchItem]) -> float:
     return 100.0 + sum(i.input_tokens - i.hit_tokens for i in items) * 0.1  # 100 ms per batch
 
 
-def test_window_is_work_conserving_then_waits_for_the_engine() -> None:
-    b = Batcher(BatcherConfig(algorithm="window", guard_ms=5.0), _predict)
-    b.add(Pending("a", 1000, 0, 0.0))
+def test_window_is_work_conserving_and_batches_what_accumulates_while_full() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=1), _predict)
+    b.add(Pending("a", 100, 0, 0.0))
     d = b.decide(0.0)
     assert [p.id for p in d.items] == ["a"] and d.reason == "idle"  # idle worker: at once
-    b.batch_started(d.items, 0.0)  # predicted 200 ms on the engine
-    b.add(Pending("b", 1000, 0, 10.0))
-    b.add(Pending("c", 1000, 0, 20.0))
-    d = b.decide(20.0)
-    assert not d.items and d.wake_at_ms == pytest.approx(195.0)  # just before `a` ends
-    d = b.decide(195.0)
-    assert [p.id for p in d.items] == ["b", "c"] and d.reason == "window"
-    b.batch_started(d.items, 195.0)
-    b.batch_finished(150.0)  # `a` ended early: the b+c batch started then
-    assert b.busy_until(150.0) == pytest.approx(150.0 + 300.0)
+    b.batch_started(d.items, 0.0)  # predicted 110 ms on the engine
+    b.add(Pending("b", 100, 0, 10.0))
+    b.add(Pending("c", 100, 0, 20.0))
+    assert not b.decide(20.0).items  # the worker is full: they accumulate (no timer needed)
+    b.batch_finished(90.0)  # `a` ended early: b and c go now, as one batch (it pays)
+    d = b.decide(90.0)
+    assert [p.id for p in d.items] == ["b", "c"] and d.reason == "idle"
+    b.batch_started(d.items, 90.0)
+    assert b.busy_until(100.0) == pytest.approx(90.0 + 120.0)
+    # behind a busy worker with room for another batch, an item goes at once (never held back)
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=2), _predict)
+    b.batch_started([Pending("x", 100, 0, 0.0)], 0.0)
+    b.add(Pending("y", 100, 0, 1.0))
+    d = b.decide(1.0)
+    assert [p.id for p in d.items] == ["y"] and d.reason == "window"
 
 
 def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> None:
     b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
     b.add(Pending("a", 1000, 0, 0.0))
-    b.batch_started(b.decide(0.0).items, 0.0)  # busy until 200
+    b.batch_started(b.decide(0.0).items, 0.0)  # busy until 200: x's batch starts then
     # x's deadline (345) fits x+y (ends 200 + 100 + 40 = 340), not x+y+z (ends 350)
     b.add(Pending("x", 200, 0, 1.0, deadline_ms=345.0))
     b.add(Pending("y", 200, 0, 2.0, deadline_ms=5000.0))

@@ -11,13 +11,16 @@ converts them for a driver whose clock runs at the worker's time scale.
 - `slo`: items ordered by deadline (arrival + SLO − predicted time); the batch is filled while
   the head still meets its deadline, and dispatched when the head's slack reaches the guard
   (`deadline`); an item whose SLO has already passed fails typed.
-- `window` (work-conserving, the predicted-time window): an idle worker gets what is waiting at
-  once (`idle`); while it is busy, items wait in the batcher until the predicted end of the
-  batches already on the worker (less `guard_ms`), then go as one batch (`window`). Dispatching
-  earlier would only queue them on the engine behind the same batches, so the wait costs them
-  nothing, and the batch amortises the engine's per-batch cost. The batch is capped so that its
-  predicted end still meets its members' deadlines (the SLO cap): what would not fit stays for
-  the next one. A `max_size` batch goes at once (`full`).
+- `window` (work-conserving, the predicted-time window): whenever fewer than
+  `max_inflight_batches` of ours are on the worker, what waits goes at once (`idle` to an idle
+  worker, `window` behind a busy one), as one batch only as far as batching pays: the members'
+  summed predicted finish times are no later than if each went alone (every member gets its
+  first token when the whole batch ends), the first member is delayed by at most `wait_ms`, and
+  the batch's predicted end (from the end of ours ahead of it) still meets its members'
+  deadlines (the SLO cap). So batches form from what accumulates while the worker is full, and
+  only where they shorten TTFT; nothing is ever held back for a window (holding items until the
+  predicted end of the running batch measured ~1.5 points of goodput worse than `direct` on the
+  shipped traces: predictions err, and an engine left idle for them is lost time).
 - Every algorithm: an item marked `drop_late` whose deadline (`Pending.deadline_ms`, 0 = none)
   has passed while it waited fails typed (`deadline_exceeded`) instead of taking engine time
   from the others.
@@ -207,11 +210,6 @@ class Batcher:
 
     def _decide_window(self, now_ms: float, busy: bool, d: Decision) -> Decision:
         c = self.config
-        if busy and len(self.pending) < c.max_size:
-            start = self.busy_until(now_ms) - c.guard_ms
-            if now_ms < start:
-                d.wake_at_ms = start
-                return d
         start = self.busy_until(now_ms) if busy else now_ms
         d.items = self._pack_by_deadline(start)
         d.reason = ("full" if len(d.items) >= c.max_size else "window") if busy else "idle"
@@ -240,13 +238,25 @@ class Batcher:
         return out
 
     def _paying_prefix(self, items: list[Pending]) -> int:
-        """Largest m such that m × predict(first m) ≤ Σ_k (Σ_{j≤k} predict(item j alone))."""
+        """Largest m such that m × predict(first m) ≤ Σ_k (Σ_{j≤k} predict(item j alone)), and
+        the batch delays its first member by at most `wait_ms` over going alone: the mean gain
+        must not come out of the first members' deadlines (predictions err, and a TTFT SLO is a
+        threshold, not a mean)."""
         best = 1
         finish = total = 0.0
+        first = 0.0
         for m in range(1, len(items) + 1):
-            finish += self.predict([items[m - 1].item])
+            one = self.predict([items[m - 1].item])
+            if m == 1:
+                first = one
+            finish += one
             total += finish
-            if m > 1 and m * self.predict([p.item for p in items[:m]]) <= total:
+            if m == 1:
+                continue
+            batch = self.predict([p.item for p in items[:m]])
+            if batch - first > self.config.wait_ms:
+                break
+            if m * batch <= total:
                 best = m
         return best
 
