@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint run bench clean
+.PHONY: install test lint run bench client clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,6 +26,14 @@ run: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/workers_bench.py
+
+# A Python client generated from a gateway's OpenAPI document (docs/api.md); the generator lives in
+# its own venv, away from the project's pins. OPENAPI_URL=... for another gateway.
+OPENAPI_URL ?= http://127.0.0.1:8000/openapi.json
+client:
+	test -x .venv-client/bin/openapi-python-client || \
+	  { $(PY) -m venv .venv-client && .venv-client/bin/pip install -q openapi-python-client; }
+	PATH="$(CURDIR)/$(BIN):$$PATH" .venv-client/bin/openapi-python-client generate --url $(OPENAPI_URL) --output-path flexlb-client --overwrite
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

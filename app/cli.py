@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="FlexLB: KV-cache-aware LLM gateway")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="FlexLB: KV-cache-aware LLM gateway",
+    # Plain click help for every subcommand: rich panels cut option names in a narrow terminal,
+    # and `bench`/`simulate` render theirs through the same click formatter (app/clihelp.py).
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -30,6 +38,7 @@ class _JsonFormatter(logging.Formatter):
             "batch_size",
             "reason",
             "code",
+            "user",  # OpenAI `user` of the request
         ):
             v = getattr(record, k, None)
             if v is not None:
@@ -226,6 +235,33 @@ def up(
     )
 
 
+@app.command()
+def status(
+    url: Annotated[
+        list[str] | None,
+        typer.Option(metavar="<url>", help="a gateway replica's URL (repeat for each; default: local stack)"),
+    ] = None,
+    admin_token: Annotated[
+        str | None,
+        typer.Option(envvar="FLEXLB_ADMIN_TOKEN", help="for the workers' queue, owed ms and KV"),
+    ] = None,
+    stack: Annotated[
+        str, typer.Option(help="`flexlb up` manifest read when no --url is given")
+    ] = "logs/latest/stack.json",
+    once: Annotated[bool, typer.Option("--once", help="print one frame and exit")] = False,
+    interval: Annotated[float, typer.Option(help="seconds between frames")] = 1.0,
+) -> None:
+    """One-screen live view of a running cluster: replicas, owners, workers, request rates."""
+    from pathlib import Path
+
+    from app.status import resolve_targets, run_status
+
+    if interval <= 0:
+        raise typer.BadParameter("must be > 0", param_hint="--interval")
+    urls, token = resolve_targets(url or [], Path(stack), admin_token)
+    raise typer.Exit(run_status(urls, token, once=once, interval_s=interval))
+
+
 _FORWARD = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
@@ -246,6 +282,9 @@ def simulate(ctx: typer.Context) -> None:
 
 
 def main() -> None:
+    from app.supervise import die_with_parent
+
+    die_with_parent()  # started by `flexlb up`: do not outlive it, even if it is SIGKILLed
     app()
 
 

@@ -321,6 +321,33 @@ def observe_dispatch(items: Iterable[tuple[int, int]]) -> None:
         ROUTED_HIT_TOKENS.inc(max(0, hit))
 
 
+WORKER_PREFILL_INPUT = Counter(
+    "flexlb_worker_prefill_input_tokens_total",
+    "Prompt tokens of a worker's finished prefills, counted by the worker's owner",
+    ["worker"],
+    registry=REGISTRY,
+)
+WORKER_PREFILL_CACHED = Counter(
+    "flexlb_worker_prefill_cached_tokens_total",
+    "Of those, tokens the worker's prefix cache served (cached / input = its hit ratio; `flexlb status`)",
+    ["worker"],
+    registry=REGISTRY,
+)
+
+
+def observe_worker_prefills(wid: str, finished: list[dict[str, Any]]) -> None:
+    """The finished records of one status poll (each is reported once, after the owner's last
+    seq; a resync after a worker restart may count a few twice, which a ratio tolerates)."""
+    inp = cached = 0
+    for r in finished:
+        if r.get("status") == "ok":
+            inp += max(0, int(r.get("input_tokens", 0)))
+            cached += max(0, int(r.get("cached_tokens", 0)))
+    if inp:
+        WORKER_PREFILL_INPUT.labels(wid).inc(inp)
+        WORKER_PREFILL_CACHED.labels(wid).inc(cached)
+
+
 def observe_batch_results(predicted_ms: float, results: list[dict[str, Any]]) -> None:
     """The worker's results of one batch: its run time (all members share the batch's modelled
     start and end) against the prediction, and the cache hits it actually found."""
@@ -344,6 +371,8 @@ def _per_worker() -> tuple[Any, ...]:
         WORKER_KV_FREE,
         CACHE_MIRROR_BLOCKS,
         WORKER_EPOCH_CHANGES,
+        WORKER_PREFILL_INPUT,
+        WORKER_PREFILL_CACHED,
         *(g for g, _, _ in _SNAPSHOT_GAUGES if g is not WORKER_KV_FREE),
     )
 

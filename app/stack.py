@@ -1,8 +1,10 @@
 """`flexlb up`: the whole local stack in the foreground — an embedded Redis, prefill and decode
 sim workers, gateway replicas — with one log folder, parallel start and stop, and a clean exit on
-Ctrl-C/SIGTERM (nothing left running). A component that fails to start is named with the tail of
-its log and everything else is stopped; a worker that dies later is restarted on its ports (a few
-times), anything else that dies stops the stack."""
+Ctrl-C/SIGTERM/SIGHUP (nothing left running, whatever happened to the terminal or the pipe it
+writes to; a second signal hurries every component). A component that fails to start is named with
+the tail of its log and everything else is stopped; a worker or gateway that dies later is
+restarted on its ports (a few times). If `flexlb up` itself is SIGKILLed, its children get SIGTERM
+from the kernel and the embedded Redis's watchdog sees its owner gone (app/supervise.py)."""
 
 from __future__ import annotations
 
@@ -11,103 +13,64 @@ import json
 import os
 import secrets
 import signal
-import subprocess
-import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import TYPE_CHECKING
 
 import httpx
 
+from app.supervise import Console, Proc, spawn
 from workers.server.spawn import ReadyLine
+
+if TYPE_CHECKING:
+    from app.state.embedded_redis import EmbeddedRedis
 
 
 class StartError(RuntimeError):
     pass
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[str]
-    log_path: Path
-    log: IO[str]
-    info: dict[str, object] = field(default_factory=dict)
-    args: list[str] = field(default_factory=list)
-    drainer: threading.Thread | None = None
-
-    def tail(self, n: int = 15) -> str:
-        self.log.flush()
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-    def why(self) -> str:
-        """The last error its JSON log recorded (e.g. a port already in use), for the one-line
-        reason a user reads first; the log's tail follows it."""
-        self.log.flush()
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        for line in reversed(lines):
-            if '"level": "error"' in line or '"level": "critical"' in line:
-                try:
-                    return str(json.loads(line).get("msg", "")).strip()
-                except ValueError:
-                    return line[:300]
-        return ""
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(5)
-        self.log.close()
+#: Restarts of one component (worker or gateway) before a repeated crash stops the stack.
+MAX_RESTARTS = 3
+#: How long a gateway may drain and a worker stop Triton before it is SIGKILLed.
+STOP_TIMEOUT_S = 15.0
 
 
-def _spawn(
-    name: str, args: list[str], log_dir: Path, env: dict[str, str], pipe: bool = False, append: bool = False
-) -> Proc:
-    log_path = log_dir / f"{name}.log"
-    log = open(log_path, "a" if append else "w")  # noqa: SIM115 - closed by Proc.stop
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", *args],
-        stdout=subprocess.PIPE if pipe else log,
-        stderr=log,
-        text=True,
-        env=env,
-        start_new_session=True,  # our Ctrl-C handler stops them in order, not the terminal
-    )
-    return Proc(name, popen, log_path, log, args=args)
-
-
-MAX_WORKER_RESTARTS = 3
-
-
-def _restart_worker(p: Proc, log_dir: Path, env: dict[str, str]) -> Proc:
-    """A worker died (Triton has been seen to segfault under load): start it again on the same
-    ports, which is how the registry knows it; the gateways see a new epoch and settle the old one.
-    Readiness is awaited in the background so the supervisor keeps watching everything else."""
+def _restart(p: Proc, log_dir: Path, env: dict[str, str], console: Console) -> Proc:
+    """A component died (Triton has been seen to segfault under load; a replica may be SIGKILLed):
+    start it again where the cluster knows it. A worker keeps its ports (the registry's address;
+    the gateways see a new epoch and settle the old one); a gateway keeps its port and joins as a
+    new replica (the dead one's leases expire and are taken over, DESIGN §6). Readiness is awaited
+    in the background so the supervisor keeps watching everything else."""
     if p.drainer is not None:
         p.drainer.join(2)  # the dead worker's last lines land before its log is reopened
-    p.log.close()
-    ports = [f"--{k.replace('_', '-')}={p.info[k]}" for k in ("grpc_port", "http_port", "metrics_port")]
-    new = _spawn(p.name, [*p.args, *ports], log_dir, env, pipe=True, append=True)
-    new.args, new.info = p.args, p.info
+    with contextlib.suppress(OSError):
+        p.log.close()
+    if p.is_gateway:
+        new = spawn(p.name, p.args, log_dir, env, append=True)
+    else:
+        ports = [f"--{k.replace('_', '-')}={p.info[k]}" for k in ("grpc_port", "http_port", "metrics_port")]
+        new = spawn(p.name, [*p.args, *ports], log_dir, env, pipe=True, append=True)
+        new.args = p.args
+    new.info = p.info
 
     def ready() -> None:
-        with contextlib.suppress(StartError):  # if it dies again, the supervisor loop sees it
-            _worker_ready(new, 90)
+        try:
+            if new.is_gateway:
+                _wait_http(new, f"{new.info['url']}/readyz", 60, ready=True)
+            else:
+                _worker_ready(new, 90)
+        except StartError as exc:  # if it died again, the supervisor loop sees it and decides
+            console.say(f"{new.name} did not come back: {exc}", err=True)
+            return
+        new.ready = True
+        console.say(f"{new.name} is back (pid {new.popen.pid})")
 
-    threading.Thread(target=ready, daemon=True).start()
+    threading.Thread(target=ready, name=f"ready-{p.name}", daemon=True).start()
     return new
 
 
@@ -120,6 +83,7 @@ def _worker_ready(p: Proc, timeout: float) -> None:
             raise StartError(f"{p.name} exited with code {p.popen.returncode}: {p.why()}\n{p.tail()}")
         raise StartError(f"{p.name} not ready after {timeout:.0f} s:\n{p.tail()}")
     p.info = info
+    p.ready = True
 
 
 def _wait_http(p: Proc, url: str, timeout: float, ready: bool = False) -> dict:
@@ -139,6 +103,74 @@ def _wait_http(p: Proc, url: str, timeout: float, ready: bool = False) -> dict:
     raise StartError(f"{p.name} not ready after {timeout:.0f} s ({last[:200]}):\n{p.tail()}")
 
 
+def _run_dir(root: Path) -> Path:
+    """`root/<UTC timestamp>/`, one per run, and `root/latest` pointing at it: a new run never
+    truncates the logs of the last one (or of an orphan still writing them)."""
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    run = root / stamp
+    n = 1
+    while True:
+        try:
+            run.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            run = root / f"{stamp}-{n}"
+    tmp = root / f".latest-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(run.name)
+    tmp.replace(root / "latest")  # atomic: readers see the old run or the new one
+    return run
+
+
+def _all_ready(workers: list[Proc], timeout: float) -> None:
+    """Wait for every worker's ready line, in parallel (~6 s each). Daemon threads, not an
+    executor: on Ctrl-C the interpreter would join an executor's threads at exit, each blocked up
+    to `timeout` on a worker that the clean-up has already stopped."""
+    errors: list[BaseException] = []
+
+    def one(w: Proc) -> None:
+        try:
+            _worker_ready(w, timeout)
+        except StartError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(w,), name=f"ready-{w.name}", daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+class Interrupted(Exception):
+    """A signal arrived while the stack was still starting."""
+
+
+class _Signals:
+    """SIGINT/SIGTERM/SIGHUP: the first asks for a clean stop, a second one hurries it (each child
+    gets its own second signal, which makes it exit at once, see `Proc.finish`). While the stack
+    is still starting, the first one also interrupts the start (which may wait up to 90 s on a
+    worker) by raising `Interrupted` in the main thread."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.hurry = threading.Event()
+        self.starting = True
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, self._on)
+
+    def _on(self, signum: int, _frame: object) -> None:
+        if self.stop.is_set():
+            self.hurry.set()
+        self.stop.set()
+        if self.starting:
+            self.starting = False  # raise once; the clean-up that follows must run uninterrupted
+            raise Interrupted(f"signal {signum}")
+
+
 def run_stack(
     *,
     prefill: int = 2,
@@ -150,10 +182,9 @@ def run_stack(
     log_dir: Path = Path("logs"),
     redis_url: str | None = None,
 ) -> int:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    log_dir = _run_dir(log_dir)
+    console = Console(log_dir / "up.log")
+    sigs = _Signals()
     t0 = time.monotonic()
     token = os.environ.get("FLEXLB_ADMIN_TOKEN") or secrets.token_urlsafe(12)
     cluster = os.environ.get("FLEXLB_CLUSTER", "flexlb")
@@ -165,27 +196,26 @@ def run_stack(
         if not redis_url:
             from app.state.embedded_redis import start_embedded_redis
 
-            emb = start_embedded_redis(cluster, idle_s=60)
+            # owner_pid: the embedded Redis goes when this process goes, even by SIGKILL.
+            emb = start_embedded_redis(cluster, idle_s=60, owner_pid=os.getpid())
             redis_url = emb.url
         env["FLEXLB_REDIS_URL"] = redis_url
         wargs = ["--profile", profile, "--time-scale", str(time_scale), "--log-level", "WARNING"]
         workers = [
-            _spawn(f"{role}-{i}", ["worker", "--role", role, *wargs], log_dir, env, pipe=True)
+            spawn(f"{role}-{i}", ["worker", "--role", role, *wargs], log_dir, env, pipe=True)
             for role, n in (("prefill", prefill), ("decode", decode))
             for i in range(n)
         ]
         procs += workers
         gws = [
-            _spawn(f"gateway-{i}", ["gateway", "--port", str(port + i)], log_dir, env)
-            for i in range(gateways)
+            spawn(f"gateway-{i}", ["gateway", "--port", str(port + i)], log_dir, env) for i in range(gateways)
         ]
         procs += gws
-        with ThreadPoolExecutor(max(1, len(workers))) as ex:  # workers start in parallel (~6 s each)
-            for f in [ex.submit(_worker_ready, w, 90) for w in workers]:
-                f.result()
+        _all_ready(workers, 90)
         phases = {"workers_s": time.monotonic() - t0}
         for i, g in enumerate(gws):
-            _wait_http(g, f"http://127.0.0.1:{port + i}/healthz", 30)
+            g.info = {"url": f"http://127.0.0.1:{port + i}"}
+            _wait_http(g, f"{g.info['url']}/healthz", 30)
         spec = ",".join(f"{w.name.split('-')[0]}@{w.info['address']}" for w in workers)
         # Register the workers once every replica is up: leases are sticky, so this spreads owners.
         httpx.post(
@@ -194,61 +224,110 @@ def run_stack(
             headers={"Authorization": f"Bearer {token}"},
             timeout=10,
         ).raise_for_status()
-        for i, g in enumerate(gws):
-            _wait_http(g, f"http://127.0.0.1:{port + i}/readyz", 30, ready=True)
+        for g in gws:
+            _wait_http(g, f"{g.info['url']}/readyz", 30, ready=True)
+            g.ready = True
         phases["ready_s"] = time.monotonic() - t0
-        _write_manifest(log_dir / "stack.json", port, gws, workers, redis_url, phases)
-        _banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0)
-        restarts = 0
-        while not stop.wait(0.5):
-            for i, p in enumerate(procs):
-                if p.popen.poll() is None:
-                    continue
-                worker = not p.name.startswith("gateway")
-                if worker and restarts < MAX_WORKER_RESTARTS and "grpc_port" in p.info:
-                    restarts += 1
-                    print(
-                        f"\n{p.name} exited with code {p.popen.returncode}; restarting it on the same ports"
-                        f" ({restarts}/{MAX_WORKER_RESTARTS}):\n{p.tail()}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    procs[i] = _restart_worker(p, log_dir, env)
-                    continue
-                print(
-                    f"\n{p.name} exited with code {p.popen.returncode}; stopping:\n{p.tail()}",
-                    file=sys.stderr,
-                )
-                rc = 1
-                stop.set()
-                break
+        manifest = log_dir / "stack.json"
+        _write_token(log_dir / "admin_token", token)
+        _write_manifest(manifest, procs, redis_url, phases)
+        console.say(_banner(port, gateways, token, redis_url, workers, log_dir, time.monotonic() - t0))
+        url = redis_url
+        sigs.starting = False
+        rc = _watch(procs, sigs, log_dir, env, console, lambda: _write_manifest(manifest, procs, url, phases))
+    except Interrupted as exc:
+        console.say(f"interrupted while starting ({exc})", err=True)
+        rc = 130
     except StartError as exc:
-        print(f"start failed: {exc}", file=sys.stderr)
+        console.say(f"start failed: {exc}", err=True)
+        rc = 1
+    except Exception:
+        # Our own bug: say so, and still stop everything below.
+        import traceback
+
+        console.say(f"flexlb up crashed; stopping everything:\n{traceback.format_exc()}", err=True)
         rc = 1
     finally:
-        t1 = time.monotonic()
-        print("stopping...", flush=True)
-        gw_procs = [p for p in procs if p.name.startswith("gateway")]
-        others = [p for p in procs if not p.name.startswith("gateway")]
-        for group in (gw_procs, others):  # gateways drain first, then the workers, in parallel
-            with ThreadPoolExecutor(max(1, len(group))) as ex:
-                list(ex.map(lambda p: p.stop(), group))
-        if emb is not None:
-            emb.stop()
-        print(f"stopped in {time.monotonic() - t1:.1f} s; logs in {log_dir}/", flush=True)
+        _stop_all(procs, emb, sigs, console, log_dir)
     return rc
 
 
-def _write_manifest(
-    path: Path, port: int, gws: list[Proc], workers: list[Proc], redis_url: str, phases: dict[str, float]
+def _watch(
+    procs: list[Proc],
+    sigs: _Signals,
+    log_dir: Path,
+    env: dict[str, str],
+    console: Console,
+    rewrite_manifest: Callable[[], None],
+) -> int:
+    """Until a signal: restart a component that died after it had served (a few times each);
+    one that keeps dying, or dies before it was ever ready, stops the stack (exit code 1)."""
+    restarts: dict[str, int] = {}
+    while not sigs.stop.wait(0.5):
+        for i, p in enumerate(procs):
+            if p.popen.poll() is None:
+                continue
+            n = restarts.get(p.name, 0)
+            if p.ready and n < MAX_RESTARTS:
+                restarts[p.name] = n + 1
+                console.say(
+                    f"\n{p.name} exited with code {p.popen.returncode}; restarting it on the same ports"
+                    f" ({n + 1}/{MAX_RESTARTS}):\n{p.tail()}",
+                    err=True,
+                )
+                procs[i] = _restart(p, log_dir, env, console)
+                rewrite_manifest()
+                continue
+            console.say(f"\n{p.name} exited with code {p.popen.returncode}; stopping:\n{p.tail()}", err=True)
+            return 1
+    return 0
+
+
+def _stop_all(
+    procs: list[Proc], emb: EmbeddedRedis | None, sigs: _Signals, console: Console, log_dir: Path
 ) -> None:
+    """Gateways drain first, then the workers stop, each group in parallel, then Redis. Every step
+    is guarded on its own: a failure in one must not leave the others running."""
+    t1 = time.monotonic()
+    sigs.starting = False
+    sigs.stop.set()
+    console.say("stopping...")
+    gw_procs = [p for p in procs if p.is_gateway]
+    others = [p for p in procs if not p.is_gateway]
+    for group in (gw_procs, others):
+        for p in group:
+            p.signal()
+        if group:
+            with ThreadPoolExecutor(len(group)) as ex:
+                ends = ex.map(lambda p: p.finish(STOP_TIMEOUT_S, sigs.hurry), group)
+                for p, how in zip(group, ends, strict=True):
+                    if how != "exited":
+                        console.say(f"{p.name}: {how}", err=True)
+    if emb is not None:
+        try:
+            emb.stop()
+        except Exception as exc:  # the watchdog still removes it once we are gone
+            console.say(f"embedded redis stop failed: {exc!r}", err=True)
+    console.say(f"stopped in {time.monotonic() - t1:.1f} s; logs in {log_dir}/")
+    console.close()
+
+
+def _write_token(path: Path, token: str) -> None:
+    """For `flexlb status` on this machine: the generated token, readable by this user only (it is
+    not in stack.json, which tools may copy around)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+
+
+def _write_manifest(path: Path, procs: list[Proc], redis_url: str, phases: dict[str, float]) -> None:
     """Every endpoint the stack serves (the workers' ports are picked at start), for tools that
-    attach to it: a Prometheus scrape config, the smoke test, a script. No secret goes in it."""
+    attach to it: a Prometheus scrape config, `flexlb status`, the smoke test, a script. Rewritten
+    when a component is restarted (new pid). No secret goes in it."""
     doc = {
         "redis_url": redis_url,
         "gateways": [
-            {"name": g.name, "url": f"http://127.0.0.1:{port + i}", "pid": g.popen.pid}
-            for i, g in enumerate(gws)
+            {"name": g.name, "url": g.info.get("url"), "pid": g.popen.pid} for g in procs if g.is_gateway
         ],
         "workers": [
             {
@@ -260,20 +339,22 @@ def _write_manifest(
                 "metrics_port": w.info.get("metrics_port"),
                 "pid": w.popen.pid,
             }
-            for w in workers
+            for w in procs
+            if not w.is_gateway
         ],
         "startup": {k: round(v, 2) for k, v in phases.items()},
     }
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)  # readers never see half a file
 
 
 def _banner(
     port: int, n: int, token: str, redis_url: str, workers: list[Proc], log_dir: Path, secs: float
-) -> None:
+) -> str:
     urls = ", ".join(f"http://127.0.0.1:{port + i}" for i in range(n))
     ws = "\n".join(f"  {w.name:10s} {w.info['address']}" for w in workers)
-    print(
-        f"""
+    return f"""
 FlexLB is up in {secs:.1f} s
   gateways     {urls}
   redis        {redis_url}
@@ -287,10 +368,9 @@ try it:
        -d '{{"prompt": "Hello", "max_new_tokens": 16}}'
   curl -sN http://127.0.0.1:{port}/v1/chat/completions -H 'content-type: application/json' \\
        -d '{{"model": "flexlb-sim", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
-  python -c 'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="-"); \\
+  .venv/bin/python -c 'import openai; \\
+c = openai.OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="-"); \\
 print(c.completions.create(model="flexlb-sim", prompt="Hello", max_tokens=8).choices[0].text)'
   curl -s -H 'Authorization: Bearer {token}' http://127.0.0.1:{port}/admin/leases
 
-Ctrl-C stops everything.""",
-        flush=True,
-    )
+Ctrl-C stops everything."""

@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 PY=$ROOT/.venv/bin/python
-TRACE=${TRACE:-$ROOT/../shared/traces/trace_30min.jsonl.gz}
+TRACE=${TRACE:-$ROOT/data/traces/trace_30min.jsonl.gz}
 SLICE=${SLICE:-7000:7300}
 SPEED=${SPEED:-0.5}          # 2 prefill GPUs at ~70% of their no-cache prefill capacity on that slice
 MAX_OUT=${MAX_OUT:-256}      # clip outputs so a run drains in seconds, not minutes

@@ -15,7 +15,7 @@ from app.loadgen.cli import main as bench_main
 from .conftest import WorkerProc, worker_call
 from .gateways import ADMIN_TOKEN, Gateway, start_gateway, wait_for
 
-TRACES = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent.parent / "data" / "traces"  # shipped in the repository
 FLEXLB_TRACE = TRACES / "trace_30min.jsonl.gz"
 
 pytestmark = pytest.mark.triton
@@ -59,8 +59,6 @@ def test_replay_of_a_trace_slice(stack: tuple[Gateway, dict[str, list[WorkerProc
     """50 rows of the RTP-LLM trace (15 of them prefill-only) at 2x speed; the pool runs ten times
     faster than modelled so the longest output (3,894 tokens) takes ~3 s."""
     gw, pool = stack
-    if not FLEXLB_TRACE.exists():
-        pytest.skip(f"{FLEXLB_TRACE} not present")
     _set_time_scale(gw, pool, 0.1)
     out = tmp_path / "run"
     argv = ["--url", gw.url, "--trace", str(FLEXLB_TRACE), "--slice", "1000:1050", "--speed", "2"]

@@ -17,7 +17,7 @@ from app.sim.mirror import SimMirror, SpecIndex
 from app.traces import Trace, save_trace, synthetic_trace
 from workers.engine import tokens
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # shipped in the repository
 
 
 def shared_prefix_trace(n: int = 400, rate: float = 40.0) -> Trace:
@@ -167,14 +167,13 @@ def test_small_token_path_matches_vectorised() -> None:
         assert tokens.output_tokens(seed, rid, start, n + 1)[:n] == small
 
 
-@pytest.mark.skipif(not (SHARED / "trace_30min.jsonl.gz").exists(), reason="shared traces absent")
 def test_flexlb_trace_slice(tmp_path: Path) -> None:
     doc = json.loads(
         json.dumps(
             main(
                 [
                     "--trace",
-                    str(SHARED / "trace_30min.jsonl.gz"),
+                    str(TRACES / "trace_30min.jsonl.gz"),
                     "--slice",
                     "0:300",
                     "--load",

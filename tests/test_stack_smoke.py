@@ -100,7 +100,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             return "FlexLB is up" in st.output()
 
         wait_for(up, 90, 0.2, what="flexlb up banner")
-        st.manifest = json.loads((log_dir / "stack.json").read_text())
+        st.manifest = json.loads((log_dir / "latest" / "stack.json").read_text())
         st.track()
         yield st
     finally:
@@ -125,7 +125,7 @@ def test_up_prints_a_usable_banner_and_starts_in_time(stack: Stack) -> None:
     assert "admin token" in out and "curl" in out and "openai" in out
     for g in m["gateways"]:
         assert g["url"] in out
-    names = {p.name for p in stack.log_dir.glob("*.log")}
+    names = {p.name for p in (stack.log_dir / "latest").glob("*.log")}
     assert names >= {"prefill-0.log", "prefill-1.log", "decode-0.log", "decode-1.log", "gateway-0.log"}
     # DESIGN/issue 6: ready in <= 30 s (workers start in parallel; ~10 s on an idle 2-core box)
     assert m["startup"]["ready_s"] <= 30, m["startup"]

@@ -1,5 +1,5 @@
 """Trace loading, transformations and the hit-ratio bounds (hand-made traces checked by hand, and the
-figures the shared traces' README publishes)."""
+figures the shipped traces' README (data/traces/README.md) publishes)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from app.traces import (
     trace_bounds,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # shipped in the repository
 
 
 def hand_trace() -> Trace:
@@ -179,18 +179,16 @@ def test_synthetic_shape() -> None:
     )
 
 
-@pytest.mark.skipif(not (SHARED / "trace_30min.jsonl.gz").exists(), reason="shared traces absent")
 def test_published_figures_flexlb() -> None:
-    t = load_trace(SHARED / "trace_30min.jsonl.gz")
+    t = load_trace(TRACES / "trace_30min.jsonl.gz")
     assert len(t) == 8332 and t.format == "flexlb"
     assert sum(1 for r in t.requests if r.output_len == 0) == 2290
     assert round(100 * theoretical_hit_ratio(t), 2) == 22.31
     assert round(100 * theoretical_token_hit_ratio(t), 2) == 20.56
 
 
-@pytest.mark.skipif(not (SHARED / "conversation_trace.jsonl.gz").exists(), reason="shared traces absent")
 def test_published_figures_mooncake() -> None:
-    t = load_trace(SHARED / "conversation_trace.jsonl.gz")
+    t = load_trace(TRACES / "conversation_trace.jsonl.gz")
     assert len(t) == 12031 and t.format == "mooncake"
     assert round(t.span_ms) == 3_536_999
     assert round(100 * theoretical_hit_ratio(t), 2) == 36.64

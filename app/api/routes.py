@@ -17,7 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
-from app.gateway.errors import ApiError
+from app.api.stop import StopText, TokenStop, cut_at_stop
+from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
@@ -36,10 +37,12 @@ def _replica(request: Request) -> Any:
 def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
     """(request id, trace id, whether the id is freshly generated): a client id from the body or
     X-Request-Id, else a UUID; the trace from traceparent."""
-    client = body_id or request.headers.get("x-request-id")
-    rid = client or uuid.uuid4().hex
-    if not REQUEST_ID.match(rid):
-        raise ApiError("invalid_request", "request id must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+    header = request.headers.get("x-request-id")
+    for where, value in (("X-Request-Id", header), ("request_id", body_id)):
+        if value is not None and not REQUEST_ID.match(value):
+            raise ApiError("invalid_request", f"{where}: must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+    client = body_id if body_id is not None else header
+    rid = uuid.uuid4().hex if client is None else client
     tp = request.headers.get("traceparent", "")
     parts = tp.split("-")
     trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
@@ -49,29 +52,40 @@ def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
 def _check_model(r: Any, model: str | None) -> str:
     served = r.settings.model
     if model is not None and model != served:
-        raise ApiError("model_not_found", f"model {model!r} is not served here (serving {served!r})")
+        raise ApiError("model_not_found", f"model: {model!r} is not served here (serving {served!r})")
     return served
 
 
-def _check_limits(r: Any, n_in: int, max_new: int) -> None:
+def _check_limits(r: Any, n_in: int, max_new: int, field: str, prompt_field: str) -> None:
+    """The limits that depend on the settings; `field` names the client's parameter."""
     if n_in <= 0:
-        raise ApiError("invalid_request", "prompt is empty")
+        raise ApiError("invalid_request", f"{prompt_field}: must not be empty")
     if max_new < 1:
-        raise ApiError("invalid_request", "max_tokens must be >= 1")
+        raise ApiError("invalid_request", f"{field}: must be >= 1")
     if max_new > r.settings.max_new_tokens_limit:
-        raise ApiError("invalid_request", f"max_tokens must be <= {r.settings.max_new_tokens_limit}")
+        raise ApiError("invalid_request", f"{field}: must be <= {r.settings.max_new_tokens_limit}")
     if n_in + max_new > r.settings.max_context_tokens:
         raise ApiError(
             "invalid_request",
-            f"prompt ({n_in}) + max_tokens ({max_new}) exceeds the context ({r.settings.max_context_tokens})",
+            f"{field}: prompt ({n_in} tokens) + {field} ({max_new}) exceeds the context "
+            f"({r.settings.max_context_tokens} tokens)",
         )
+
+
+def _default_max(r: Any) -> int:
+    """OpenAI's default of 16 new tokens, within this gateway's limit."""
+    return min(16, int(r.settings.max_new_tokens_limit))
+
+
+def _check_ids(r: Any, ids: list[int], field: str) -> None:
+    check_token_ids(ids, int(r.tokenizer.vocab_size), field)
 
 
 def _timeout(r: Any, timeout_ms: int | None) -> int:
     if timeout_ms is None:
         return int(r.settings.default_timeout_ms)
     if timeout_ms <= 0 or timeout_ms > 3_600_000:
-        raise ApiError("invalid_request", "timeout_ms must be in (0, 3600000]")
+        raise ApiError("invalid_request", "timeout_ms: must be in [1, 3600000]")
     return timeout_ms
 
 
@@ -223,32 +237,46 @@ async def _prepare(
     timeout_ms: int | None,
     body_rid: str | None,
     endpoint: str,
+    fields: tuple[str, str] = ("max_new_tokens", "prompt"),
+    stops: list[str] | None = None,
+    user: str | None = None,
     deadline_ms: int | None = None,
 ) -> GenRequest:
-    _check_limits(r, len(ids), max_new)
+    """`fields`: the client's names of the token limit and the prompt, for error messages."""
+    _check_limits(r, len(ids), max_new, *fields)
     rid, trace, fresh = _ids(request, body_rid)
     deadline = _deadline(request, deadline_ms)
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
+    stop = TokenStop(r.tokenizer, stops) if stops else None
     return GenRequest(
-        rid, ids, max_new, _timeout(r, timeout_ms), trace, endpoint, fresh_id=fresh, deadline_ms=deadline
+        rid,
+        ids,
+        max_new,
+        _timeout(r, timeout_ms),
+        trace,
+        endpoint,
+        fresh_id=fresh,
+        stop=stop,
+        user=user or "",
+        deadline_ms=deadline,
     )
 
 
 def _deadline(request: Request, body_ms: int | None) -> float:
     """The request's TTFT deadline in ms: the body's `deadline_ms`, else the `x-flexlb-slo-ms`
     header, else 0 (the cluster SLO). SLO admission answers 429 when it cannot be met."""
-    raw: Any = body_ms
+    if body_ms is not None:
+        return float(body_ms)
+    raw = request.headers.get("x-flexlb-slo-ms")
     if raw is None:
-        raw = request.headers.get("x-flexlb-slo-ms")
-        if raw is None:
-            return 0.0
+        return 0.0
     try:
         v = float(raw)
     except ValueError:
-        raise ApiError("invalid_request", "x-flexlb-slo-ms must be a number of milliseconds") from None
+        raise ApiError("invalid_request", "x-flexlb-slo-ms: must be a number of milliseconds") from None
     if not 0 < v <= 3_600_000:
-        raise ApiError("invalid_request", "deadline_ms must be in (0, 3600000]")
+        raise ApiError("invalid_request", "x-flexlb-slo-ms: must be in (0, 3600000]")
     return v
 
 
@@ -257,21 +285,17 @@ def _deadline(request: Request, body_ms: int | None) -> float:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     r = _replica(request)
     model = _check_model(r, body.model)
-    if body.n != 1:
-        raise ApiError("invalid_request", "only n=1 is supported")
     if isinstance(body.prompt, str):
         ids = r.tokenizer.encode(body.prompt)
-    elif body.prompt and all(isinstance(x, int) for x in body.prompt):
+    elif all(isinstance(x, int) for x in body.prompt):
         ids = list(body.prompt)  # type: ignore[arg-type]
-        vocab = r.tokenizer.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ApiError("invalid_request", f"prompt token ids must be in [0, {vocab})")
-    elif len(body.prompt) == 1 and isinstance(body.prompt[0], str):
-        ids = r.tokenizer.encode(body.prompt[0])
-    else:
-        raise ApiError("invalid_request", "prompt must be a string, a list of one string, or token ids")
+        _check_ids(r, ids, "prompt")
+    else:  # the schema admits exactly one string here
+        ids = r.tokenizer.encode(str(body.prompt[0]))
+    stops = body.stops()
+    max_new = body.max_tokens if body.max_tokens is not None else _default_max(r)
     req = await _prepare(
-        request, r, ids, body.max_tokens if body.max_tokens is not None else 16, None, None, "completions"
+        request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
     cid = f"cmpl-{req.request_id}"
     created = int(time.time())
@@ -285,7 +309,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
             "choices": [
                 {
                     "index": 0,
-                    "text": _text(r, o["output_ids"]),
+                    "text": cut_at_stop(_text(r, o["output_ids"]), stops),
                     "logprobs": None,
                     "finish_reason": o["finish_reason"] or "length",
                 }
@@ -297,7 +321,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     def piece(text: str, where: str) -> dict[str, Any]:
         return {"text": text, "logprobs": None}
 
-    gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece)
+    gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece, stops)
     return await _stream_response(request, gen)
 
 
@@ -310,11 +334,14 @@ async def _openai_stream(
     obj: str,
     include_usage: bool,
     piece: Callable[[str, str], dict[str, Any]],
+    stops: list[str],
 ) -> AsyncIterator[bytes]:
     """The SSE body both OpenAI endpoints share; they differ only in how a piece of text sits in
     a choice (`piece(text, where)`, where is first | more | last): `text` for completions, a
-    `delta` for chat. A request id retried after it finished replays its stored outcome."""
+    `delta` for chat. A request id retried after it finished replays its stored outcome. Text
+    that may begin a stop string is held back until it is known not to (`StopText`)."""
     detok = IncrementalDetokenizer(r.tokenizer)
+    stop = StopText(stops)
 
     def chunk(part: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, **part, "finish_reason": finish}
@@ -322,9 +349,9 @@ async def _openai_stream(
 
     async for kind, payload in _relay(r, req):
         if kind == "first":
-            yield chunk(piece(detok.feed([payload]), "first"))
+            yield chunk(piece(stop.feed(detok.feed([payload])), "first"))
         elif kind == "tokens":
-            t = detok.feed(payload)
+            t = stop.feed(detok.feed(payload))
             if t:
                 yield chunk(piece(t, "more"))
         elif kind in ("end", "stored"):
@@ -333,8 +360,9 @@ async def _openai_stream(
                 yield _sse_error(o)
                 break
             if kind == "stored":
-                yield chunk(piece(_text(r, o["output_ids"]), "first"))
-            yield chunk(piece(detok.flush(), "last"), o["finish_reason"] or "length")
+                yield chunk(piece(stop.feed(_text(r, o["output_ids"])), "first"))
+            tail = stop.feed(detok.flush()) + stop.flush()
+            yield chunk(piece(tail, "last"), o["finish_reason"] or "length")
             if include_usage:
                 usage = {"id": cid, "object": obj, "created": created, "model": model, "choices": []}
                 yield _sse({**usage, "usage": _usage(o)})
@@ -375,17 +403,29 @@ async def _stream_response(request: Request, gen: AsyncIterator[bytes]) -> Strea
 async def chat(body: ChatRequest, request: Request) -> Any:
     r = _replica(request)
     model = _check_model(r, body.model)
-    if body.n != 1:
-        raise ApiError("invalid_request", "only n=1 is supported")
     try:
         text = render_chat(
             [m.model_dump(exclude_none=True) for m in body.messages], add_generation_prompt=True
         )
     except ChatTemplateError as exc:
         raise ApiError("invalid_request", str(exc)) from None
-    max_new = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        _check_limits(r, 1, body.max_tokens, "max_tokens", "messages")  # the one not used: in range too
+    field, max_new = "max_completion_tokens", body.max_completion_tokens
+    if max_new is None:
+        field, max_new = "max_tokens", body.max_tokens
+    stops = body.stops()
     req = await _prepare(
-        request, r, r.tokenizer.encode(text), max_new if max_new is not None else 16, None, None, "chat"
+        request,
+        r,
+        r.tokenizer.encode(text),
+        max_new if max_new is not None else _default_max(r),
+        None,
+        None,
+        "chat",
+        (field, "messages"),
+        stops,
+        body.user,
     )
     cid = f"chatcmpl-{req.request_id}"
     created = int(time.time())
@@ -399,7 +439,10 @@ async def chat(body: ChatRequest, request: Request) -> Any:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": _text(r, o["output_ids"])},
+                    "message": {
+                        "role": "assistant",
+                        "content": cut_at_stop(_text(r, o["output_ids"]), stops),
+                    },
                     "finish_reason": o["finish_reason"] or "length",
                 }
             ],
@@ -412,7 +455,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
             return {"delta": {"role": "assistant", "content": text}}
         return {"delta": {"content": text} if text or where != "last" else {}}
 
-    gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece)
+    gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece, stops)
     return await _stream_response(request, gen)
 
 
@@ -438,17 +481,23 @@ def _native(r: Any, o: dict[str, Any]) -> dict[str, Any]:
 async def generate(body: GenerateRequest, request: Request) -> Any:
     r = _replica(request)
     _check_model(r, body.model)
-    if (body.prompt is None) == (body.input_ids is None):
-        raise ApiError("invalid_request", "give exactly one of prompt or input_ids")
-    if body.input_ids is not None:
-        vocab = r.tokenizer.vocab_size
-        if any(t < 0 or t >= vocab for t in body.input_ids):
-            raise ApiError("invalid_request", f"input_ids must be in [0, {vocab})")
+    if body.input_ids is not None:  # the schema admits exactly one of input_ids and prompt
+        _check_ids(r, body.input_ids, "input_ids")
         ids = list(body.input_ids)
+        prompt_field = "input_ids"
     else:
         ids = r.tokenizer.encode(body.prompt or "")
+        prompt_field = "prompt"
     req = await _prepare(
-        request, r, ids, body.max_new_tokens, body.timeout_ms, body.request_id, "generate", body.deadline_ms
+        request,
+        r,
+        ids,
+        body.max_new_tokens if body.max_new_tokens is not None else _default_max(r),
+        body.timeout_ms,
+        body.request_id,
+        "generate",
+        ("max_new_tokens", prompt_field),
+        deadline_ms=body.deadline_ms,
     )
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
@@ -483,7 +532,28 @@ async def get_request(request_id: str, request: Request) -> dict[str, Any]:
     rec = await r.store.get_request(request_id)
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
-    return {"request_id": request_id, **rec}
+    return {"request_id": request_id, **typed_record(rec)}
+
+
+#: Record fields that hold numbers (Redis stores strings): by name, or by suffix.
+NUMERIC_FIELDS = frozenset({"priority", "batch_size", "fence", "attempts", "handoffs"})
+NUMERIC_SUFFIXES = ("_ms", "_tokens", "_s")
+
+
+def typed_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """The lifecycle record with its numbers as JSON numbers (issue #19: they came back as strings)."""
+    out: dict[str, Any] = {}
+    for key, value in rec.items():
+        if isinstance(value, str) and (key in NUMERIC_FIELDS or key.endswith(NUMERIC_SUFFIXES)):
+            try:
+                num = float(value)
+            except ValueError:
+                out[key] = value
+                continue
+            out[key] = int(num) if num.is_integer() and "." not in value and "e" not in value else num
+        else:
+            out[key] = value
+    return out
 
 
 @router.delete("/v1/requests/{request_id}")

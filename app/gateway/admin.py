@@ -6,15 +6,16 @@ from __future__ import annotations
 import hmac
 import json
 import time
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app import metrics as M
+from app.api.schemas import INTEGRAL, TokenIds
 from app.cluster.leases import parse_lease
 from app.cluster.registry import BadWorkerSpec, parse_workers
-from app.gateway.errors import ApiError
+from app.gateway.errors import ApiError, check_token_ids
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
@@ -43,24 +44,41 @@ def require_admin(request: Request) -> None:
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
+#: One `role@host:port` (port 1-65535), as the schema publishes it and `parse_worker` reads it.
+_PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_HOST = r"([A-Za-z0-9._\-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])"  # a name, IPv4, or [IPv6]
+_SPEC = rf"(prefill|decode)@{_HOST}:{_PORT}"
+WORKERS_PATTERN = rf"^{_SPEC}(,{_SPEC})*$"
+
+
 class AddWorkers(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    workers: str = Field(..., description="comma-separated role@host:port")
+    workers: str = Field(
+        ..., pattern=WORKERS_PATTERN, description="comma-separated role@host:port, role prefill or decode"
+    )
 
 
 class ConfigPatch(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prefill_strategy: str | None = None
-    decode_strategy: str | None = None
-    prefill_time_formula: str | None = None
-    schedule_mode: str | None = None
-    batch_algorithm: str | None = None
-    batch_max_size: int | None = None
-    batch_wait_ms: float | None = None
-    max_inflight_batches: int | None = None
-    predict_threshold_ms: float | None = None
-    max_batch_tokens: int | None = None
-    slo_ttft_ms: float | None = None
+    """Runtime config: every field optional, none null, at least one given. The ranges are the
+    batcher's (BatcherConfig.validate), so a schema-valid patch is an applied one."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+    # The published document lists the names (PREFILL_STRATEGIES, DECODE_STRATEGIES) as enums.
+    prefill_strategy: str = Field(None)
+    decode_strategy: str = Field(None)
+    prefill_time_formula: str = Field(
+        None,
+        json_schema_extra={"format": "flexlb-formula"},
+        description="prefill time in ms, the formula language of app/scheduling/formula.py",
+    )
+    schedule_mode: Literal["batch", "direct"] = Field(None)
+    batch_algorithm: Literal["fixed_window", "slo"] = Field(None)
+    batch_max_size: Annotated[StrictInt, Field(ge=1, le=1024), INTEGRAL] = Field(None)
+    batch_wait_ms: float = Field(None, ge=0, le=60_000, strict=True)
+    max_inflight_batches: Annotated[StrictInt, Field(ge=1, le=64), INTEGRAL] = Field(None)
+    predict_threshold_ms: float = Field(None, ge=0, strict=True)
+    max_batch_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] = Field(None)
+    slo_ttft_ms: float = Field(None, gt=0, strict=True)
 
 
 @router.get("/workers")
@@ -79,9 +97,9 @@ async def add_workers(body: AddWorkers, request: Request) -> dict[str, Any]:
     try:
         specs = parse_workers(body.workers)
     except BadWorkerSpec as exc:
-        raise ApiError("invalid_request", str(exc)) from exc
+        raise ApiError("invalid_request", f"workers: {exc}") from exc
     if not specs:
-        raise ApiError("invalid_request", "no workers given")
+        raise ApiError("invalid_request", "workers: no workers given")
     r = _replica(request)
     added = await r.registry.add(specs)
     await r.refresh_registry()
@@ -122,7 +140,7 @@ async def leases(request: Request) -> dict[str, Any]:
 
 class CacheMatch(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    input_ids: list[int] = Field(..., min_length=1)
+    input_ids: TokenIds
 
 
 @router.get("/cache")
@@ -140,6 +158,8 @@ async def cache_view(request: Request) -> dict[str, Any]:
 async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
     """Leading blocks of a prompt each prefill worker holds, as this replica's mirror sees them."""
     r = _replica(request)
+    vocab = r.tokenizer.vocab_size
+    check_token_ids(body.input_ids, vocab, "input_ids")
     prefill = r.prefill_ids()
     block = int(r.snapshots.get(prefill[0], {}).get("block_size", 64) if prefill else 64)
     keys = block_keys(body.input_ids, block, model=r.settings.model, tokenizer=r.tokenizer.name)
@@ -177,6 +197,9 @@ async def get_config(request: Request) -> dict[str, Any]:
         "batch_max_size": bc.max_size,
         "batch_wait_ms": bc.wait_ms,
         "max_inflight_batches": bc.max_inflight_batches,
+        # the request limits, so a trace replay can clip or skip what would be refused
+        "max_new_tokens_limit": r.settings.max_new_tokens_limit,
+        "max_context_tokens": r.settings.max_context_tokens,
     }
     return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 
@@ -186,11 +209,11 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     """Validate everything, then apply all of it in one transaction (or nothing)."""
     patch = body.model_dump(exclude_none=True)
     if not patch:
-        raise ApiError("invalid_request", "nothing to change")
+        raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
     if "prefill_strategy" in patch and patch["prefill_strategy"] not in PREFILL_STRATEGIES:
-        raise ApiError("invalid_request", f"prefill_strategy must be one of {sorted(PREFILL_STRATEGIES)}")
+        raise ApiError("invalid_request", f"prefill_strategy: must be one of {sorted(PREFILL_STRATEGIES)}")
     if "decode_strategy" in patch and patch["decode_strategy"] not in DECODE_STRATEGIES:
-        raise ApiError("invalid_request", f"decode_strategy must be one of {sorted(DECODE_STRATEGIES)}")
+        raise ApiError("invalid_request", f"decode_strategy: must be one of {sorted(DECODE_STRATEGIES)}")
     if "prefill_time_formula" in patch:
         try:
             compile_formula(patch["prefill_time_formula"])

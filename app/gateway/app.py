@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
 
 from app import metrics as M
+from app.api.openapi import build_openapi
 from app.api.routes import router as api_router
 from app.cluster.registry import WorkerSpec
 from app.config import Settings
@@ -49,6 +50,16 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     app.state.replica = replica
     app.state.admin_token = admin_token
     install_error_handlers(app)
+    schema: dict[str, Any] = {}
+
+    def openapi() -> dict[str, Any]:
+        """The published contract, with this replica's limits (served model, max tokens, vocabulary)."""
+        if not schema:
+            vocab = int(replica.tokenizer.vocab_size)
+            schema.update(build_openapi(app, settings.model, settings.max_new_tokens_limit, vocab))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(admin_router)
     app.include_router(api_router)
     # HTTP metrics by route template (bounded labels, status grouped as 2xx/4xx/5xx), exported through

@@ -4,6 +4,7 @@ rendered as an OpenAI-style body. Nothing else reaches a client: no tracebacks, 
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics as M
+from app.gateway.validation import validation_message
 
 log = logging.getLogger("flexlb.errors")
 
@@ -25,6 +27,8 @@ class ErrorKind:
 
 KINDS: dict[str, ErrorKind] = {
     "invalid_request": ErrorKind(400, "invalid_request_error", False),
+    "unsupported_media_type": ErrorKind(415, "invalid_request_error", False),
+    "method_not_allowed": ErrorKind(405, "invalid_request_error", False),
     "unauthorized": ErrorKind(401, "authentication_error", False),
     "not_found": ErrorKind(404, "invalid_request_error", False),
     "model_not_found": ErrorKind(404, "invalid_request_error", False),
@@ -71,26 +75,69 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+def check_token_ids(ids: list[int], vocab: int, field: str) -> None:
+    """Every id in [0, vocab): one C-speed min/max, the index found only when one is out."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab):
+        bad = next(i for i, t in enumerate(ids) if t < 0 or t >= vocab)
+        raise ApiError("invalid_request", f"{field}[{bad}]: token id must be in [0, {vocab}); got {ids[bad]}")
+
+
+def json_media_type(ctype: str | None) -> bool:
+    """A missing content type is read as JSON (FastAPI does too); else application/json or +json."""
+    if ctype is None:
+        return True
+    media = ctype.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+#: What Starlette's own HTTP errors become (routing: unknown path, wrong method).
+HTTP_CODES = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}
+
+
+def allowed_methods(request: Request, given: str = "") -> list[str]:
+    """The methods the app serves at this path, for the `Allow` header of a 405: those of the
+    published document's operations on the matching path template (a path may have several
+    routes, e.g. GET and DELETE /v1/requests/{id}), plus what Starlette named (`given`)."""
+    methods = {m.strip().upper() for m in given.split(",") if m.strip()}
+    for template, item in request.app.openapi().get("paths", {}).items():
+        pattern = "^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(template)) + "$"
+        if re.match(pattern, request.url.path):
+            methods |= {m.upper() for m in item}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid"))
-        return ApiError("invalid_request", msg).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # A body of another content type is never parsed, so it always fails validation: it is
+        # answered 415 here, at no cost to well-formed requests (no per-request check).
+        ctype = request.headers.get("content-type")
+        if not json_media_type(ctype):
+            media = (ctype or "").split(";", 1)[0].strip()
+            msg = f"content-type {media!r} is not supported; send application/json"
+            return ApiError("unsupported_media_type", msg).response()
+        return ApiError("invalid_request", validation_message(exc.errors(), exc.body)).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "invalid_request"}.get(
-            exc.status_code, "internal"
-        )
-        err = ApiError(code, str(exc.detail))
-        resp = err.response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = HTTP_CODES.get(exc.status_code, "internal")
+        detail = str(exc.detail)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: every method the path has, not just one route's
+            headers["Allow"] = ", ".join(allowed_methods(request, headers.get("Allow", "")))
+            method = request.method if request.method != "OTHER" else "this method"  # see _BoundedMethod
+            detail = f"{method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
+        elif exc.status_code == 404 and detail == "Not Found":
+            detail = f"no such endpoint: {request.url.path}"
+        resp = ApiError(code, detail).response()
         resp.status_code = exc.status_code
+        resp.headers.update(headers)
         return resp
 
     @app.exception_handler(Exception)

@@ -334,6 +334,7 @@ class Replica:
             d.start()
 
     async def _audit(self, wid: str, st: dict[str, Any]) -> None:
+        M.observe_worker_prefills(wid, st.get("finished") or [])
         d = self.dispatchers.get(wid)
         if d is not None:
             await d.audit_ledger(st)

@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.clihelp import ClickStyleParser
 from app.loadgen.gateway import AdminClient, FacadeStatus, GatewayError, GatewayInfo, LagMonitor
-from app.loadgen.plan import build_plan, clip_outputs, poisson_retime
+from app.loadgen.plan import LimitReport, apply_limits, build_plan, clip_outputs, poisson_retime
 from app.loadgen.prompts import BlockSizeError, PromptSynth, check_block_size
 from app.loadgen.replay import ReplayConfig, ReplayStats, replay
 from app.report import RequestRecord, percentile, print_table, summarize, write_results
@@ -45,7 +46,7 @@ class BenchSettings(BaseSettings):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ClickStyleParser(
         prog="flexlb bench",
         description="Replay a request trace (or synthetic Poisson load) against a running FlexLB gateway, "
         "open loop, and write results.json, summary.md and PNG plots.",
@@ -65,6 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request deadline")
     p.add_argument("--admin-token", default=None, help="gateway admin token (env FLEXLB_ADMIN_TOKEN)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clip trace output lengths")
+    p.add_argument(
+        "--over-limit",
+        default="clip",
+        choices=["clip", "skip"],
+        help="rows above the gateway's max_tokens / context limits: clip them to fit or leave them out "
+        "(either way the summary names them)",
+    )
+    p.add_argument("--wide", action="store_true", help="print every column, however wide the terminal")
     p.add_argument("--seed", type=int, default=None, help="prompt salt and re-timing seed (default random)")
     p.add_argument("--model", default=None, help="model name to send (default: the gateway's)")
     p.add_argument("--lag-interval-s", type=float, default=1.0, help="engine-lag sampling interval")
@@ -154,6 +163,7 @@ def build_results(
     lag: LagMonitor,
     args: argparse.Namespace,
     seed: int,
+    limit_report: LimitReport | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(policy metrics, meta) as results.json carries them."""
     metrics = summarize(records, slo_ttft_ms=args.slo_ttft_ms, duration_s=stats.wall_s)
@@ -172,6 +182,8 @@ def build_results(
         )
     if args.max_output_tokens is not None:
         notes.append(f"output lengths clipped to {args.max_output_tokens} tokens (--max-output-tokens).")
+    if limit_report is not None:
+        notes.extend(limit_report.notes())
     if not lag_ok:
         reasons.append(
             f"engines fell behind the modelled schedule: mean lag {mean_lag:.1f} ms is "
@@ -220,6 +232,8 @@ def build_results(
         "slo_ttft_ms": args.slo_ttft_ms,
         "seed": seed,
         "zero_output_rows": zero_rows,
+        "over_limit_rows": limit_report.affected if limit_report is not None else 0,
+        "over_limit": limit_report.as_dict() if limit_report is not None else None,
         "prefill_strategy": info.prefill_strategy,
         "decode_strategy": info.decode_strategy,
         "schedule_mode": info.schedule_mode,
@@ -251,7 +265,7 @@ async def run_bench(args: argparse.Namespace) -> int:
         else:
             admin = AdminClient(http, args.url, token)
             info = await admin.info()
-        trace = prepare_trace(args, info, seed)
+        trace, limit_report = apply_limits(prepare_trace(args, info, seed), info.limits, args.over_limit)
         if not trace.requests:
             raise GatewayError("nothing to replay: the slice is empty")
         check_block_size(trace.block_size, [w.block_size for w in info.prefill])
@@ -274,10 +288,10 @@ async def run_bench(args: argparse.Namespace) -> int:
         finally:
             stop.set()
             await lag_task
-    metrics, meta = build_results(trace, info, records, stats, lag, args, seed)
+    metrics, meta = build_results(trace, info, records, stats, lag, args, seed, limit_report)
     out = args.output or Path("bench/results") / f"bench-{dt.datetime.now():%Y%m%d-%H%M%S}"
     write_results(out, {info.policy_name: metrics}, {info.policy_name: records}, meta)
-    print_table({info.policy_name: metrics}, title=meta["title"])
+    print_table({info.policy_name: metrics}, title=meta["title"], wide=args.wide)
     for n in meta["notes"]:
         print(f"note: {n}")
     print(f"results: {out}/results.json")

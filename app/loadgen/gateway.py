@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from app.loadgen.plan import Limits
+
 
 class GatewayError(RuntimeError):
     """The gateway cannot be benchmarked (unreachable, admin token refused, no workers)."""
@@ -54,6 +56,17 @@ class GatewayInfo:
     def policy_name(self) -> str:
         """`cost+batch` / `round_robin+direct`: the strategy and whether the owners batch."""
         return f"{self.prefill_strategy}+{self.schedule_mode}"
+
+    @property
+    def limits(self) -> Limits:
+        """The gateway's request limits as its admin API reports them; the defaults of its settings
+        for a gateway that does not (an older one, or a peer router)."""
+        eff = self.config.get("effective") or {}
+        d = Limits()
+        return Limits(
+            int(eff.get("max_new_tokens_limit") or d.max_output_tokens),
+            int(eff.get("max_context_tokens") or d.max_context_tokens),
+        )
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -56,6 +56,96 @@ def clip_outputs(trace: Trace, max_output_tokens: int) -> Trace:
     return Trace(trace.name, trace.format, trace.block_size, reqs)
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The gateway's request limits (its `max_new_tokens_limit` and `max_context_tokens`)."""
+
+    max_output_tokens: int = 8192
+    max_context_tokens: int = 131072
+
+
+@dataclass
+class LimitReport:
+    """Which trace rows the gateway would refuse as they are, and what the bench did with them.
+
+    Why: a row asking 20,000 output tokens (the RTP-LLM trace has 20) was sent as it was, came back
+    `invalid_request` with 0 output tokens, and was counted as an error with no reason given."""
+
+    limits: Limits
+    action: str  # "clip" or "skip"
+    over_output: list[tuple[int, int]]  # (row index, output tokens asked)
+    over_context: list[tuple[int, int]]  # (row index, input + output tokens asked)
+    unservable: list[tuple[int, int]]  # (row index, input tokens): the prompt alone is too long
+
+    @property
+    def affected(self) -> int:
+        return len({i for i, _ in (*self.over_output, *self.over_context, *self.unservable)})
+
+    def notes(self) -> list[str]:
+        """One sentence per kind of row, naming up to 5 rows each (results.json lists them all)."""
+
+        def rows(xs: list[tuple[int, int]]) -> str:
+            shown = ", ".join(f"#{i} ({n:,})" for i, n in xs[:5])
+            return shown + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")
+
+        lim = self.limits
+        out = []
+        if self.over_output:
+            done = "clipped to" if self.action == "clip" else "skipped, not sent; the limit is"
+            out.append(
+                f"{len(self.over_output)} trace rows asked for more output tokens than the gateway's "
+                f"max_tokens limit ({rows(self.over_output)}): {done} {lim.max_output_tokens:,}."
+            )
+        if self.over_context:
+            done = "output clipped to fit" if self.action == "clip" else "skipped, not sent"
+            out.append(
+                f"{len(self.over_context)} trace rows asked for more input + output tokens than the "
+                f"gateway's context limit {lim.max_context_tokens:,} ({rows(self.over_context)}): {done}."
+            )
+        if self.unservable:
+            out.append(
+                f"{len(self.unservable)} trace rows have a prompt at or above the context limit "
+                f"{lim.max_context_tokens:,} ({rows(self.unservable)}): skipped, not sent."
+            )
+        return out
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "max_output_tokens": self.limits.max_output_tokens,
+            "max_context_tokens": self.limits.max_context_tokens,
+            "action": self.action,
+            "over_output": [list(x) for x in self.over_output],
+            "over_context": [list(x) for x in self.over_context],
+            "unservable": [list(x) for x in self.unservable],
+        }
+
+
+def apply_limits(trace: Trace, limits: Limits, action: str = "clip") -> tuple[Trace, LimitReport]:
+    """Rows the gateway would refuse: clipped to fit (`clip`) or left out (`skip`), and reported.
+
+    A prompt that alone reaches the context limit cannot be made to fit by clipping the output,
+    so it is skipped under either action."""
+    if action not in ("clip", "skip"):
+        raise ValueError(f"over-limit action must be clip or skip, got {action!r}")
+    rep = LimitReport(limits, action, [], [], [])
+    reqs: list[TraceRequest] = []
+    for r in trace.requests:
+        want = replay_max_tokens(r.output_len)
+        if r.input_len >= limits.max_context_tokens:
+            rep.unservable.append((r.index, r.input_len))
+            continue
+        fit = min(want, limits.max_output_tokens, limits.max_context_tokens - r.input_len)
+        if want > limits.max_output_tokens:
+            rep.over_output.append((r.index, want))
+        elif r.input_len + want > limits.max_context_tokens:
+            rep.over_context.append((r.index, r.input_len + want))
+        if fit == want:
+            reqs.append(r)
+        elif action == "clip":
+            reqs.append(TraceRequest(r.index, r.arrival_ms, r.input_len, fit, r.block_hashes))
+    return Trace(trace.name, trace.format, trace.block_size, reqs), rep
+
+
 def build_plan(trace: Trace) -> list[PlannedRequest]:
     """One planned send per trace request with a non-empty prompt, in arrival order."""
     return [

@@ -9,14 +9,14 @@ from __future__ import annotations
 import gzip
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from app.report.records import RequestRecord
 from app.report.summary import percentile
 
-__all__ = ["TABLE_COLUMNS", "markdown_table", "print_table", "rich_table", "write_results"]
+__all__ = ["TABLE_COLUMNS", "fit_columns", "markdown_table", "print_table", "rich_table", "write_results"]
 
 # (metric key, column header, kind) for the human tables; kind picks the number format.
 TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -67,27 +67,97 @@ def markdown_table(policies: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join([head, sep, *rows])
 
 
-def rich_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = None) -> Any:
-    """The same table for a terminal (a `rich.table.Table`)."""
+#: Columns kept when the terminal is narrow, most important first; the others go first, from the
+#: end of this list's complement (`summary.md` and `--wide` always have every column).
+_NARROW_KEEP = (
+    "n_requests",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "hit_ratio_routed",
+    "goodput_rps",
+    "errors",
+    "tpot_p50_ms",
+    "goodput_ratio",
+    "throughput_rps",
+    "e2e_p99_ms",
+    "ttft_p90_ms",
+    "hit_ratio_theoretical",
+    "mean_batch_size",
+    "hit_ratio_pooled_lru",
+)
+
+
+def rich_table(
+    policies: Mapping[str, Mapping[str, Any]],
+    title: str | None = None,
+    keys: Sequence[str] | None = None,
+    compact: bool = False,
+) -> Any:
+    """The same table for a terminal (a `rich.table.Table`), optionally only the columns `keys`.
+    `compact`: headers on two lines ("TTFT" over "p50 ms") and no inner borders, so more columns
+    fit a narrow terminal; the errors column folds."""
+    from rich import box
     from rich.table import Table
 
     cols = [c for c in TABLE_COLUMNS if any(c[0] in m for m in policies.values())]
-    t = Table(title=title)
-    t.add_column("policy", style="bold")
+    if keys is not None:
+        cols = [c for c in cols if c[0] in keys]
+    t = Table(title=title, box=box.SIMPLE_HEAD if compact else box.HEAVY_HEAD)
+    t.add_column("policy", style="bold", overflow="fold")
     for _, h, kind in cols:
-        t.add_column(h, justify="left" if kind == "errors" else "right")
+        head = h.replace(" ", "\n", 1) if compact else h
+        if kind == "errors":
+            t.add_column(head, justify="left", overflow="fold", max_width=24 if compact else None)
+        else:
+            t.add_column(head, justify="right", no_wrap=True)  # a number is never cut
     for name, m in policies.items():
         t.add_row(name, *(_fmt(m.get(k), kind) for k, _, kind in cols))
     return t
 
 
-def print_table(policies: Mapping[str, Mapping[str, Any]], title: str | None = None) -> None:
-    import sys
+def fit_columns(policies: Mapping[str, Mapping[str, Any]], width: int) -> tuple[list[str], list[str]]:
+    """(shown, hidden) metric keys: the most important columns that fit `width` characters."""
+    from rich.console import Console
+
+    present = [k for k, _, _ in TABLE_COLUMNS if any(k in m for m in policies.values())]
+    order = [k for k in _NARROW_KEEP if k in present] + [k for k in present if k not in _NARROW_KEEP]
+    console = Console(width=10_000)
+    shown = list(order)
+    while len(shown) > 2:
+        need = console.measure(rich_table(policies, keys=shown, compact=True)).maximum
+        if need <= width:
+            break
+        shown.pop()
+    hidden = [k for k in order if k not in shown]
+    return [k for k in present if k in shown], hidden
+
+
+def print_table(
+    policies: Mapping[str, Mapping[str, Any]],
+    title: str | None = None,
+    *,
+    wide: bool = False,
+    width: int | None = None,
+) -> None:
+    """The table at the terminal's width (`COLUMNS` when piped, else 100): the less important
+    columns are left out, and named, when they do not fit; `wide` prints all of them whatever the
+    width. A 190-column table in an 80-column terminal was unreadable."""
+    import shutil
 
     from rich.console import Console
 
-    # Piped output (CI logs, `| tee`) would otherwise wrap at 80 columns and elide every number.
-    Console(width=None if sys.stdout.isatty() else 220).print(rich_table(policies, title))
+    width = width or shutil.get_terminal_size((100, 24)).columns
+    if wide:
+        table = rich_table(policies, title)
+        need = Console(width=10_000).measure(table).maximum
+        Console(width=max(width, need)).print(table)
+        return
+    shown, hidden = fit_columns(policies, width)
+    console = Console(width=width)
+    console.print(rich_table(policies, title, keys=shown, compact=True))
+    if hidden:
+        names = ", ".join(h for k, h, _ in TABLE_COLUMNS if k in hidden)
+        console.print(f"({len(hidden)} more columns with --wide or in summary.md: {names})", style="dim")
 
 
 def _jsonable(v: Any) -> Any:

@@ -14,7 +14,7 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +59,10 @@ class GenRequest:
     # The gateway made the id up (a fresh UUID): it cannot collide with a live or finished one,
     # so recording the request and handing it off may share one round trip.
     fresh_id: bool = False
+    # OpenAI `stop`: fed each output chunk in order, returns how many of its ids to keep when a
+    # stop string completed in it (app/api/stop.py). Decoding then ends with finish_reason "stop".
+    stop: Callable[[Sequence[int]], int | None] | None = None
+    user: str = ""  # OpenAI `user`: only logged
     # TTFT deadline in wall ms from arrival (`deadline_ms` / `x-flexlb-slo-ms`); 0 = the
     # cluster SLO. SLO admission refuses what cannot meet it; the owner ends it if it passes.
     deadline_ms: float = 0.0
@@ -229,7 +233,10 @@ class Pipeline:
             await self._abort(req, p, "failed", err)
             raise err from None
         except GeneratorExit:  # the consumer went away (client disconnect)
-            await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
+            # After the last event a consumer that stops iterating closes us here too: that is the
+            # normal end, not a cancel (every completed request was also counted `cancelled`).
+            if p.stage != "done":
+                await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
             raise
         except Exception as exc:
             log.exception("request %s failed", rid, extra={"request_id": rid, "trace_id": req.trace_id})
@@ -436,14 +443,16 @@ class Pipeline:
                     req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
                 )
             first = int(reply["first_token"])
+            stopped = False
             if attempt == 0:
                 p.output_ids.append(first)
+                stopped = req.stop is not None and req.stop([first]) is not None
                 yield ("first", first)
-            if req.max_new_tokens == 1:
+            if req.max_new_tokens == 1 or stopped:
                 # No decode will fetch this KV: unpin it now rather than at the handle's expiry
                 # (30 s of pinned prefix the cache could otherwise evict or reuse).
                 self._release_prefill_kv(p.prefill_worker, rid, reply.get("epoch", ""))
-                p.finish_reason = "length"
+                p.finish_reason = "stop" if stopped else "length"
                 return
             reason = ""
             async for ev in self._decode(req, p, reply):
@@ -451,6 +460,9 @@ class Pipeline:
                     reason = ev
                 else:
                     yield ("tokens", ev)
+            if reason == "stop":
+                p.finish_reason = "stop"
+                return
             if reason == "kv_expired" and attempt == 0:
                 log.info("kv handle expired; re-running prefill once", extra={"request_id": rid})
                 continue
@@ -603,24 +615,32 @@ class Pipeline:
         p.stage = "decoding"
         self._log("decoding", req, p)
         pre_addr = r.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
+        stream = r.client(dec).decode(
+            req.request_id,
+            snap.get("epoch", ""),
+            len(req.input_ids),
+            req.max_new_tokens - 1,
+            kv_worker=pre_addr,
+            kv_epoch=reply.get("epoch", ""),
+            timeout=req.timeout_ms / 1000,
+        )
         try:
-            async for ev in r.client(dec).decode(
-                req.request_id,
-                snap.get("epoch", ""),
-                len(req.input_ids),
-                req.max_new_tokens - 1,
-                kv_worker=pre_addr,
-                kv_epoch=reply.get("epoch", ""),
-                timeout=req.timeout_ms / 1000,
-            ):
-                if ev.event == "tokens":
-                    if req.request_id in self.cancel_requested:  # a cancel something swallowed
-                        raise asyncio.CancelledError
-                    p.output_ids.extend(ev.tokens)
-                    yield ev.tokens
-                else:
-                    yield ev.finish_reason
-                    return
+            async with contextlib.aclosing(stream):  # leaving early ends the RPC now
+                async for ev in stream:
+                    if ev.event == "tokens":
+                        if req.request_id in self.cancel_requested:  # a cancel something swallowed
+                            raise asyncio.CancelledError
+                        keep = req.stop(ev.tokens) if req.stop is not None else None
+                        tokens = ev.tokens if keep is None else ev.tokens[:keep]
+                        p.output_ids.extend(tokens)
+                        yield tokens
+                        if keep is not None:
+                            await self._stop_decode(req, dec)
+                            yield "stop"
+                            return
+                    else:
+                        yield ev.finish_reason
+                        return
         except WorkerUnavailable as exc:
             task = asyncio.current_task()
             if req.request_id in self.cancel_requested or (task is not None and task.cancelling()):
@@ -628,6 +648,15 @@ class Pipeline:
                 # request ends `cancelled`, not `failed` with a worker_error.
                 raise asyncio.CancelledError from exc
             raise ApiError("worker_error", f"decode worker {dec} failed: {str(exc)[:200]}") from None
+
+    async def _stop_decode(self, req: GenRequest, dec: str) -> None:
+        """A stop string ended the output early: cancel the engine's decode, which frees its KV
+        (the gateway's reservation is released by `_finish`). A failed cancel is logged: the
+        engine still ends the decode at max_new_tokens or the deadline."""
+        try:
+            await asyncio.wait_for(self.r.client(dec).cancel(req.request_id), 2.0)
+        except Exception as exc:
+            log.warning("cancel of stopped decode %s on %s failed: %s", req.request_id, dec, exc)
 
     # ---- endings -------------------------------------------------------------------------
     def _outcome(
@@ -739,6 +768,8 @@ class Pipeline:
         }
         if code:
             extra["code"] = code
+        if req.user:
+            extra["user"] = req.user
         log.info("request %s %s", req.request_id, event, extra=extra)
 
 

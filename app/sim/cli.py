@@ -9,6 +9,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from app.clihelp import ClickStyleParser
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.routing import PREFILL_STRATEGIES
 from app.sim.config import BATCHING, PROFILES, SimConfig
@@ -58,7 +59,7 @@ def _positive_float(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = ClickStyleParser(
         prog="flexlb simulate",
         description=(
             "Discrete-event cluster simulation on a virtual clock: the gateway's real routing strategies, "
@@ -70,22 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace", required=True, help="trace file (.jsonl or .jsonl.gz): flexlb, mooncake, synthetic"
     )
     ap.add_argument("--format", default="auto", help="auto (by fields), flexlb, mooncake or synthetic")
-    ap.add_argument("--prefill", type=_positive_int, default=8, help="prefill workers (default 8)")
-    ap.add_argument("--decode", type=_positive_int, default=8, help="decode workers (default 8)")
+    ap.add_argument("--prefill", type=_positive_int, default=8, help="prefill workers")
+    ap.add_argument("--decode", type=_positive_int, default=8, help="decode workers")
     ap.add_argument(
         "--policy",
         default="cost,prefix,least_load,round_robin",
         help="comma-separated prefill strategies, each optionally NAME@BATCHING (default: all four)",
     )
     ap.add_argument("--batching", default="window", choices=BATCHING, help="owner batching mode (window)")
-    ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas (default 1)")
+    ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas")
     ap.add_argument(
         "--load",
         type=_positive_float,
         default=None,
         help="offered load as a fraction of the estimated prefill capacity (default: the trace's own times)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of every random choice")
     ap.add_argument("--slice", default=None, help="A:B — requests A..B-1 of the trace, before replication")
     ap.add_argument("--copies", type=_positive_int, default=None, help="trace copies (default prefill // 8)")
     ap.add_argument("--max-requests", type=_positive_int, default=None, help="keep the first N arrivals")
@@ -94,13 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kv-capacity-tokens", type=_positive_int, default=None, help="prefill workers' KV (prefix cache)"
     )
-    ap.add_argument("--slo-ttft-ms", type=_positive_float, default=3000.0, help="TTFT SLO for goodput (3000)")
+    ap.add_argument("--slo-ttft-ms", type=_positive_float, default=3000.0, help="TTFT SLO for goodput")
     ap.add_argument(
         "--decode-strategy", default=None, help="decode strategy (default: FLEXLB_DECODE_STRATEGY)"
     )
     ap.add_argument("--poll-interval-ms", type=_positive_float, default=None, help="owner poll interval")
-    ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher (1 ms)")
-    ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply (1 ms)")
+    ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher")
+    ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply")
     ap.add_argument(
         "--kv-handle-ttl-ms",
         type=_positive_float,
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--candidates", type=_positive_int, default=16, help="shortlist size for large fleets")
     ap.add_argument("--output", default=None, help="output folder (default sim_out/<trace>)")
     ap.add_argument("--quiet", action="store_true", help="no progress or table on stdout")
+    ap.add_argument("--wide", action="store_true", help="print every column, however wide the terminal")
     return ap
 
 
@@ -204,6 +206,6 @@ def main(argv: list[str]) -> int:
     if not args.quiet:
         from app.report import print_table
 
-        print_table(run.policies, title=f"flexlb simulate — {trace.name}")
+        print_table(run.policies, title=f"flexlb simulate — {trace.name}", wide=args.wide)
         print(f"wrote {out_dir}/results.json, summary.md, plots ({run.meta['timing_s']['total_s']:.1f} s)")
     return 0

@@ -11,6 +11,9 @@ own session) polls the cluster's membership ZSET (`Keys(prefix).members`, score 
 in ms since the epoch). When no replica has been alive for `idle_s` seconds it sends
 `SHUTDOWN NOSAVE` (SIGTERM, then SIGKILL, as fallbacks) and removes the data directory. It also
 cleans up and exits when the server dies on its own. The server is bound to 127.0.0.1 only.
+Started by a supervisor (`flexlb up`, `owner_pid`), the watchdog also shuts the server down soon
+after that process is gone, even SIGKILLed: once its replicas have left (they get SIGTERM from
+the kernel and leave membership on the way out) or after `OWNER_GRACE_S`, whichever is first.
 
 `python -m app.state.embedded_redis watchdog ...` is the watchdog's entry point. It imports only
 the standard library and redis-py, so it starts fast and does not depend on the gateway's
@@ -178,7 +181,12 @@ def _spawn_detached(cmd: list[str], log: Path, env: dict[str, str] | None = None
 
 
 def start_embedded_redis(
-    prefix: str, idle_s: int = 60, *, start_timeout: float = 10.0, attempts: int = 3
+    prefix: str,
+    idle_s: int = 60,
+    *,
+    start_timeout: float = 10.0,
+    attempts: int = 3,
+    owner_pid: int | None = None,
 ) -> EmbeddedRedis:
     """Start redis-server plus its watchdog, each in its own session, and wait (bounded) for PING.
 
@@ -237,6 +245,7 @@ def start_embedded_redis(
             "--dir", str(data_dir),
             "--members-key", Keys(prefix).members,
             "--idle-s", str(idle_s),
+            *(["--owner-pid", str(owner_pid)] if owner_pid else []),
         ]  # fmt: skip
         wd = _spawn_detached(wd_cmd, data_dir / "watchdog.log", env)
         return EmbeddedRedis(
@@ -258,7 +267,14 @@ def _poll_interval(idle_s: float) -> float:
     return max(0.2, min(2.0, idle_s / 3.0))
 
 
-def run_watchdog(port: int, pid: int, data_dir: Path, members_key: str, idle_s: float) -> int:
+#: After the owner died: at most this long for its replicas to leave before the server goes. They
+#: need Redis to release their leases; an idle replica leaves within ~1 s of its SIGTERM.
+OWNER_GRACE_S = 5.0
+
+
+def run_watchdog(
+    port: int, pid: int, data_dir: Path, members_key: str, idle_s: float, owner_pid: int = 0
+) -> int:
     """Poll the members ZSET. Shut the server down after `idle_s` with no live replica.
 
     `last_alive_ms` starts at the watchdog's start, so a cluster whose first replica never
@@ -283,18 +299,29 @@ def run_watchdog(port: int, pid: int, data_dir: Path, members_key: str, idle_s: 
     interval = _poll_interval(idle_s)
     idle_ms = idle_s * 1000.0
     last_alive_ms = time.time() * 1000.0
+    owner_gone_at: float | None = None
     while True:
         if not pid_alive(pid):
             break  # server gone on its own: just clean up
         now_ms = time.time() * 1000.0
+        live = True
         try:
             top = client.zrange(members_key, -1, -1, withscores=True)
             if top:
                 last_alive_ms = max(last_alive_ms, min(float(top[0][1]), now_ms))
+            live = bool(top) and float(top[0][1]) > now_ms
         except redis.RedisError:
             pass  # unreachable or busy: this poll does not count as a heartbeat
+        if owner_pid and owner_gone_at is None and not pid_alive(owner_pid):
+            owner_gone_at = time.monotonic()
+            interval = 0.2  # the replicas are leaving now: notice the last one promptly
+        why = ""
         if now_ms - last_alive_ms >= idle_ms:
-            print(f"watchdog: no replica alive for {idle_s}s, shutting down redis pid {pid}", flush=True)
+            why = f"no replica alive for {idle_s}s"
+        elif owner_gone_at is not None and (not live or time.monotonic() - owner_gone_at >= OWNER_GRACE_S):
+            why = f"owner pid {owner_pid} gone"
+        if why:
+            print(f"watchdog: {why}, shutting down redis pid {pid}", flush=True)
             t0 = time.monotonic()
             with contextlib.suppress(redis.RedisError):
                 client.shutdown(nosave=True)
@@ -316,10 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--dir", type=Path, required=True)
     w.add_argument("--members-key", required=True)
     w.add_argument("--idle-s", type=float, required=True)
+    w.add_argument("--owner-pid", type=int, default=0, help="also stop soon after this process is gone")
     args = ap.parse_args(argv)
     # SIGTERM from stop(): exit without cleanup. stop() removes the dir itself after the server is down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    return run_watchdog(args.port, args.pid, args.dir, args.members_key, args.idle_s)
+    return run_watchdog(args.port, args.pid, args.dir, args.members_key, args.idle_s, args.owner_pid)
 
 
 if __name__ == "__main__":

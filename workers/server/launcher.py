@@ -384,7 +384,7 @@ class TritonHost:
         self.stopping.set()
         t0 = time.perf_counter()
         try:
-            if self._start_finished():
+            if self._start_finished(grace_s=1.0):
                 self._triton.stop()
             else:
                 # PyTriton's run() holds the lock its stop() needs until readiness or its own
@@ -404,7 +404,10 @@ class TritonHost:
         """Whether PyTriton's run() has returned, waiting up to `grace_s` while the server lives.
 
         A live server normally finishes loading within seconds, after which a clean stop is
-        possible; a dead one never lets run() return before PyTriton's 120 s timeout.
+        possible; a dead one never lets run() return before PyTriton's 120 s timeout. `stop()`
+        waits only 1 s: a Ctrl-C during start-up waited up to 30 s here (loading takes 5-20 s on
+        a loaded 2-core box) and `flexlb up` SIGKILLed the worker first; the sweep that follows
+        removes a half-started server as thoroughly.
         """
         if self._start_thread is None:
             return True
@@ -420,14 +423,18 @@ class TritonHost:
 
         Must be called from the main thread (Python only delivers signals there). The handler runs
         `stop()` inline, which is safe because `stop()` takes no lock that the interrupted main
-        thread could hold across a blocking call; a second signal while stopping is ignored rather
-        than killing the process halfway through cleanup.
+        thread could hold across a blocking call. A second signal while stopping exits at once
+        (someone pressed Ctrl-C twice), but not before the sweep that `stop()` ends with: SIGKILL
+        tritonserver and its stubs, unlink their /dev/shm pools, remove the temp root (< 0.1 s).
         """
 
         def _handler(signum: int, _frame: FrameType | None) -> None:
             if self.stopping.is_set():
-                log.warning("signal %d while stopping; still cleaning up", signum)
-                return
+                log.warning("signal %d while stopping; exiting at once", signum)
+                self._sweep_leftovers()
+                shutil.rmtree(self.root, ignore_errors=True)
+                logging.shutdown()
+                os._exit(exit_code or 1)
             log.info("signal %d: stopping triton", signum)
             self.stop()
             sys.exit(exit_code)

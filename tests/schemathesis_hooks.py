@@ -1,0 +1,44 @@
+"""Schemathesis hooks for the OpenAPI fuzz pass (tests/test_openapi_fuzz.py), loaded through
+SCHEMATHESIS_HOOKS.
+
+- `flexlb-formula`: the published format of `prefill_time_formula` (a prefill-time formula, the
+  language of app/scheduling/formula.py). A JSON schema cannot state a grammar, so the fuzzer is
+  taught to write valid ones; invalid ones are still sent by its negative phase.
+- Deadlines: a schema-valid `timeout_ms` of a few ms is a legitimate 504 (`deadline_exceeded`, the
+  request really ran out of time), which the fuzzer would count as a server error. Generated
+  deadlines are raised to at least 20 s; the 504 path has tests of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import schemathesis
+from hypothesis import strategies as st
+
+MIN_TIMEOUT_MS = 20_000
+
+_TERMS = st.sampled_from(
+    [
+        "computeTokens",
+        "inputTokens",
+        "hitCacheTokens",
+        "batchSize",
+        "sum(computeTokens)",
+        "maxInputTokens",
+        "sqrt(computeTokens + 1)",
+    ]
+)
+_COEF = st.floats(min_value=0, max_value=10, allow_nan=False).map(lambda x: f"{x:.4g}")
+
+schemathesis.openapi.format(
+    "flexlb-formula",
+    st.builds(lambda base, coef, term: f"{base} + {coef}*{term}", _COEF, _COEF, _TERMS),
+)
+
+
+@schemathesis.hook
+def map_body(ctx: Any, body: Any) -> Any:
+    if isinstance(body, dict) and isinstance(body.get("timeout_ms"), int) and body["timeout_ms"] > 0:
+        body["timeout_ms"] = max(body["timeout_ms"], MIN_TIMEOUT_MS)
+    return body
