@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     admission_slack: float = Field(
         0.0, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
     )
+    reserve_output_tokens: str = Field(
+        "max", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"
+    )
     admission_drop_late: str = Field(
         "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"
     )

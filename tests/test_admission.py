@@ -112,3 +112,20 @@ def test_window_batches_only_what_pays() -> None:
     for i in range(3):
         b.add(Pending(f"short{i}", 100, 0, 1.0))
     assert [p.id for p in b.decide(101.0).items] == ["short0", "short1", "short2"]
+
+
+def test_output_reservation_learns_mean_or_percentile_capped_by_max() -> None:
+    from app.scheduling.reserve import OutputLengthEstimator
+
+    est = OutputLengthEstimator("p90", min_samples=10)
+    assert est.reserve(500) == 500  # nothing learned yet: the maximum
+    for n in range(1, 101):
+        est.observe(n)
+    assert est.reserve(500) == 90 and est.reserve(40) == 40
+    mean = OutputLengthEstimator("mean", min_samples=10)
+    for n in range(1, 101):
+        mean.observe(n)
+    assert mean.reserve(500) == 51  # ceil(50.5)
+    assert OutputLengthEstimator("max").reserve(500) == 500
+    with pytest.raises(ValueError):
+        OutputLengthEstimator("p0")

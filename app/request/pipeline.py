@@ -28,6 +28,7 @@ from app.rpc.worker_client import WorkerUnavailable
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
+from app.scheduling.reserve import OutputLengthEstimator
 from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
 from app.state.handoff import Handoff, pack_tokens
 from app.state.handoff import s as _s
@@ -134,6 +135,8 @@ class Pipeline:
         # are replaced, never mutated, a few times a second, while every request ranks every
         # worker: parse each snapshot once, not ~10 text fields per worker per request.
         self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
+        # Decode KV per request: max_new_tokens, or the learned mean / pXX (FLEXLB_RESERVE_OUTPUT_TOKENS)
+        self.out_est = OutputLengthEstimator(replica.settings.reserve_output_tokens)
         # worker id → (its ledger's owed ms, wall s) as our last hand-off there read it
         self.owed_overlay: dict[str, tuple[float, float]] = {}
 
@@ -208,6 +211,7 @@ class Pipeline:
                 async for ev in self._execute(req, p):
                     yield ev
             outcome = self._outcome(req, p, "completed")
+            self.out_est.observe(len(p.output_ids))  # learns the model's output lengths
             await self._finish(req, p, "completed", outcome)
             self._observe(req, p, "ok")
             yield ("end", outcome)
@@ -256,7 +260,7 @@ class Pipeline:
         if req.max_new_tokens <= 1:
             return
         try:
-            dq = DecodeQuery(len(req.input_ids), req.max_new_tokens)
+            dq = DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens))
             p.decode_worker = self.r.decode_strategy.choose(dq, self.views("decode"), self.rng).worker_id
         except NoWorker as exc:
             raise ApiError(
@@ -278,7 +282,7 @@ class Pipeline:
         ]
         if dec:
             cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
-            need = len(req.input_ids) + req.max_new_tokens
+            need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
             cmds.append(["EVALSHA", r.store.sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         res = await self._round_trip(cmds)
         created = res[1]
@@ -310,7 +314,7 @@ class Pipeline:
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
         scripts = r.store._scripts
         dec = p.decode_worker
-        need = len(req.input_ids) + req.max_new_tokens
+        need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
         ids = p.packed or pack_tokens(req.input_ids)
         meta_json = json.dumps(meta, separators=(",", ":"))
@@ -379,12 +383,12 @@ class Pipeline:
         each) before answering 429; the simulator showed most such refusals fit elsewhere."""
         r = self.r
         refused = {p.decode_worker}
-        need = len(req.input_ids) + req.max_new_tokens
+        need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
         for _ in range(tries):
             views = [v for v in self.views("decode") if v.id not in refused]
             try:
                 dec = r.decode_strategy.choose(
-                    DecodeQuery(len(req.input_ids), req.max_new_tokens), views, self.rng
+                    DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens)), views, self.rng
                 )
             except NoWorker:
                 return False

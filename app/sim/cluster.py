@@ -53,6 +53,7 @@ from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import BatchItem
+from app.scheduling.reserve import OutputLengthEstimator
 from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
@@ -186,7 +187,10 @@ class ClusterSim:
         ]
         self.deng = [
             _SimDecodeEngine(
-                cfg.decode_profile(), seed=cfg.seed * 100_003 + i, max_running=cfg.decode_max_running
+                cfg.decode_profile(),
+                seed=cfg.seed * 100_003 + i,
+                max_running=cfg.decode_max_running,
+                admission=cfg.decode_admission,
             )
             for i in range(nd)
         ]
@@ -198,6 +202,7 @@ class ClusterSim:
         self.queue_items = [0] * np_
         self.ledger: list[dict[str, list[float]]] = [{} for _ in range(np_)]  # bid → [pred, start, left]
         self.reserved = [0] * nd
+        self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
         self.mirror = SimMirror(cfg.speculative_ttl_ms)
         self.cache_version: list[int | None] = [None] * np_
         # Published snapshots (the owners' last poll) and their versions.
@@ -318,14 +323,14 @@ class ClusterSim:
         rid = f"r{i}"
         # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
         if max_new > 1:
-            dq = DecodeQuery(size, max_new)
+            dq = DecodeQuery(size, self.out_est.reserve(max_new))
             try:
                 d = self._choose_decode(rep, dq)
             except NoWorker:
                 self.rejections["decode_no_kv_headroom"] += 1
                 self._fail(i, "no_worker")
                 return
-            need = size + max_new
+            need = size + dq.max_new_tokens
             refused: list[str] = []
             while self.reserved[d] + need > self.deng[d].capacity:
                 # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
@@ -639,6 +644,7 @@ class ClusterSim:
                 i = int(e.request_id[1:])
                 if e.reason == FINISH_LENGTH:
                     self.reqs[i].t_end = e.t_ms
+                    self.out_est.observe(e.generated + 1)  # + the first token, from prefill
                     self._complete(i)
                 else:
                     self._fail(i, "worker_error")

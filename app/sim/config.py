@@ -88,6 +88,10 @@ class SimConfig:
     admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
     # `cost` compares its pick and runner-up on fresh shared load (app/sim/cluster.py _fresh_pick).
     fresh_pick: bool = False
+    # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
+    # and the decode engines' admission (reserve | expected: on use, with preemption).
+    reserve_output_tokens: str = field(default_factory=lambda: _settings().reserve_output_tokens)
+    decode_admission: str = "reserve"
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:
