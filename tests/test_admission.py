@@ -129,3 +129,14 @@ def test_output_reservation_learns_mean_or_percentile_capped_by_max() -> None:
     assert OutputLengthEstimator("max").reserve(500) == 500
     with pytest.raises(ValueError):
         OutputLengthEstimator("p0")
+
+
+def test_a_full_worker_wakes_the_batcher_at_the_first_droppable_deadline() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=1), _predict)
+    b.batch_started([Pending("x", 100, 0, 0.0)], 0.0)
+    b.add(Pending("soon", 100, 0, 1.0, deadline_ms=50.0, drop_late=True))
+    b.add(Pending("capped", 100, 0, 1.0, deadline_ms=20.0))  # not droppable: no timer for it
+    d = b.decide(1.0)
+    assert not d.items and d.wake_at_ms == 50.0
+    d = b.decide(50.5)
+    assert [(p.id, code) for p, code in d.failed] == [("soon", "deadline_exceeded")]

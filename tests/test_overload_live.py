@@ -87,6 +87,39 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
             if x.startswith('flexlb_admission_rejections_total{reason="slo_unattainable"}')
         )
         assert float(line.rsplit(" ", 1)[1]) == len(refused)
+
+        # An admitted request whose client-set deadline passes while it waits in the owner's
+        # batcher (the worker is full: one batch at a time, and it runs far longer than predicted)
+        # is ended then, typed (504 deadline_exceeded), not run after the blocker.
+        cfg = {"max_inflight_batches": 1}
+        assert httpx.put(gw.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(lambda: "runtime config v2 applied" in gw.log(), 5, what="config applied")
+
+        async def late() -> tuple[tuple[int, float, dict, str], tuple[int, float, dict, str]]:
+            c0 = WorkerClient(p.address)
+            await c0.configure(formula="2500")
+            await c0.close()
+            async with httpx.AsyncClient(timeout=30) as c:
+                blocker = asyncio.create_task(one(c, 100))
+                await asyncio.sleep(0.2)
+                t = time.perf_counter()
+                res = await c.post(
+                    gw.url + "/v1/generate",
+                    json={"prompt": "late " + "v" * 40, "max_new_tokens": 1, "deadline_ms": 1500},
+                )
+                ended = (res.status_code, (time.perf_counter() - t) * 1000, res.json(), "")
+                return await blocker, ended
+
+        blocker, ended = asyncio.run(late())
+        assert blocker[0] == 200, blocker
+        assert ended[0] == 504 and ended[2]["error"]["code"] == "deadline_exceeded", ended
+        assert ended[1] < 2300, ended  # at its deadline (~1.5 s), not after the 2.5 s blocker
+        line = next(
+            x
+            for x in gw.get("/metrics").text.splitlines()
+            if x.startswith('flexlb_admission_rejections_total{reason="deadline_passed_in_queue"}')
+        )
+        assert float(line.rsplit(" ", 1)[1]) == 1
     finally:
         gw.stop()
         asyncio.run(conf(reset=True))

@@ -161,6 +161,10 @@ class Batcher:
         if c.algorithm == "slo":
             self._fail_expired(now_ms, d)
         if not self.pending or self.inflight >= c.max_inflight_batches:
+            # ask again when the first droppable item's deadline passes, to end it then
+            late = [p.deadline_ms for p in self.pending if p.drop_late and p.deadline_ms]
+            if late:
+                d.wake_at_ms = min(late)
             return d
         busy = self.inflight > 0 if worker_busy is None else worker_busy
         if c.mode == "direct":
