@@ -281,6 +281,30 @@ def simulate(ctx: typer.Context) -> None:
     raise typer.Exit(sim_main(list(ctx.args)))
 
 
+@app.command()
+def policies(as_json: bool = typer.Option(False, "--json", help="the full registry as JSON")) -> None:
+    """List the scheduling policies (built-in and FLEXLB_POLICIES) and the plugins they compose."""
+    import json
+
+    from app.config import Settings
+    from app.scheduling.policy import PolicyBook
+
+    reg = PolicyBook(Settings().policies).describe()
+    if as_json:
+        typer.echo(json.dumps(reg, indent=2))
+        return
+    for role, defs in reg["policies"].items():
+        typer.echo(f"{role} policies:")
+        for name, d in defs.items():
+            scorers = ", ".join(f"{s['name']}*{s['weight']:g}" for s in d["scorers"]) or "-"
+            filters = ", ".join(f["name"] for f in d["filters"]) or "-"
+            typer.echo(
+                f"  {name:<14} filters: {filters:<26} scorers: {scorers:<28} picker: {d['picker']['name']}"
+            )
+    for kind, specs in reg["plugins"].items():
+        typer.echo(f"{kind}s: {', '.join(specs)}")
+
+
 def main() -> None:
     from app.supervise import die_with_parent
 

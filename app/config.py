@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -25,15 +27,26 @@ class Settings(BaseSettings):
     poll_deadline_ms: int = Field(500, description="deadline of one poll call")
     down_after_failures: int = Field(2, description="consecutive failures that mark a worker down")
     speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
+    speculative_max_entries: int = Field(
+        65536, ge=1, description="cap on the cache mirror's speculative (block, worker) entries"
+    )
     drain_timeout_s: float = Field(
         10.0, description="on SIGTERM: how long in-flight requests and batches may take to finish"
     )
     lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
-    redis_policy: str = Field("fail_closed", description="behaviour when Redis is unreachable")
     model: str = Field("flexlb-sim", description="served model name (`/v1/models`); others are 404")
     tokenizer: str | None = Field(None, description="path of a local tokenizer.json; unset → byte tokenizer")
-    prefill_strategy: str = Field("cost", description="cost, least_load, round_robin, random or prefix")
-    decode_strategy: str = Field("kv_headroom", description="kv_headroom, least_load, round_robin or random")
+    prefill_strategy: str = Field(
+        "cost", description="prefill policy: cost, least_load, round_robin, random, prefix or a declared one"
+    )
+    decode_strategy: str = Field(
+        "kv_headroom",
+        description="decode policy: kv_headroom, least_load, round_robin, random or a declared one",
+    )
+    policies: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="extra policies (JSON: name → role, filters, scorers, picker; app/scheduling/policy.py)",
+    )
     prefill_time_formula: str | None = Field(None, description="prefill ms formula; unset → default")
     max_queue_len: int = Field(1024, description="hand-off queue bound per prefill worker (429 beyond)")
     admission: str = Field(

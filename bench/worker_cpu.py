@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-from gateway_overhead import start_workers  # bench/ is sys.path[0] when run as a script
+from _gw_cluster import start_gateway_workers  # bench/ is sys.path[0] when run as a script
 
 from app.rpc.worker_client import WorkerClient
 
@@ -42,7 +42,7 @@ def cpu_by_process(pid: int) -> dict[str, float]:
 
 
 async def main(n: int) -> None:
-    pw, dw = start_workers(["prefill", "decode"], Path(tempfile.mkdtemp(prefix="worker-cpu-")))
+    pw, dw = start_gateway_workers(["prefill", "decode"], Path(tempfile.mkdtemp(prefix="worker-cpu-")))
     try:
         pa, pe, de = pw.info["address"], pw.info["epoch"], dw.info["epoch"]
         pc, dc = WorkerClient(pa), WorkerClient(dw.info["address"])

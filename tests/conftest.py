@@ -178,7 +178,10 @@ def shared_embedded_redis() -> Iterator[str]:
     with its own cluster prefix."""
     from app.state.embedded_redis import start_embedded_redis
 
-    emb = start_embedded_redis(f"t-{uuid.uuid4().hex[:6]}", idle_s=600)
+    # Nothing heartbeats this prefix's membership (each test uses its own cluster prefix), so the
+    # idle limit alone would end the server mid-run on a slow box (it did at 600 s, 13 min into
+    # a loaded run). The watchdog instead follows this pytest process: gone, so is the server.
+    emb = start_embedded_redis(f"t-{uuid.uuid4().hex[:6]}", idle_s=6 * 3600, owner_pid=os.getpid())
     yield emb.url
     emb.stop()
 

@@ -353,6 +353,16 @@ def test_admin_auth_and_validation(worker_pool, shared_embedded_redis, cluster, 
             resp = httpx_put(gw, "/admin/config", bad)
             assert resp.status_code == 400, bad
         assert gw.get("/admin/config", admin=True).json() == cfg0
+        # the names the config accepts are what the policy registry holds, and the API lists them
+        listed = gw.get("/admin/policies", admin=True).json()
+        assert sorted(listed["policies"]["prefill"]) == [
+            "cost",
+            "least_load",
+            "prefix",
+            "random",
+            "round_robin",
+        ]
+        assert "predicted_finish_ms" in listed["plugins"]["scorer"]
         ok = httpx_put(
             gw, "/admin/config", {"prefill_strategy": "prefix", "prefill_time_formula": "5 + inputTokens"}
         )
@@ -388,6 +398,49 @@ def test_admin_auth_and_validation(worker_pool, shared_embedded_redis, cluster, 
         ):
             assert name in m
         json.loads(gw.get("/readyz").text)
+    finally:
+        gw.stop()
+
+
+def test_a_declared_policy_routes_live_with_its_batching(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """A prefill policy declared in FLEXLB_POLICIES and selected by FLEXLB_PREFILL_STRATEGY is what
+    the replica runs, its batching mode included, until the runtime config names a mode itself;
+    the admin API lists it with the built-in ones."""
+    import httpx
+
+    declared = {
+        "sticky_direct": {
+            "role": "prefill",
+            "scorers": {"predicted_finish_ms": 1, "cache_hit_tokens": 0.01},
+            "picker": {"name": "best", "tie_pct": 0.1, "tie_abs": 20},
+            "batching": "direct",
+        }
+    }
+    gw = start_gateway(
+        tmp_path,
+        shared_embedded_redis,
+        cluster,
+        specs(worker_pool),
+        FLEXLB_POLICIES=json.dumps(declared),
+        FLEXLB_PREFILL_STRATEGY="sticky_direct",
+    )
+    try:
+        effective = gw.get("/admin/config", admin=True).json()["effective"]
+        assert (effective["prefill_strategy"], effective["schedule_mode"]) == ("sticky_direct", "direct")
+        listed = gw.get("/admin/policies", admin=True).json()["policies"]["prefill"]
+        assert listed["sticky_direct"]["scorers"][1] == {"name": "cache_hit_tokens", "weight": 0.01}
+        wait_for(lambda: gw.readyz()["ready"], 20, what="ready")
+        body = {"prompt": "declared policy " * 8, "max_new_tokens": 2}
+        done = httpx.post(gw.url + "/v1/generate", json=body, timeout=30)
+        assert done.status_code == 200, done.text
+        assert httpx_put(gw, "/admin/config", {"schedule_mode": "batch"}).status_code == 200
+        wait_for(
+            lambda: gw.get("/admin/config", admin=True).json()["effective"]["schedule_mode"] == "batch",
+            10,
+            what="the runtime config's mode over the policy's",
+        )
     finally:
         gw.stop()
 

@@ -1,4 +1,4 @@
-"""Tests for the routing strategies (app/scheduling/routing.py, app/scheduling/strategies/).
+"""Tests for the routing policies (app/scheduling/routing.py, policy.py and plugins/).
 
 All pure: no Redis, no workers, no clock. Numbers in the cost tests are worked out by hand from the
 linear formula ``10 + 0.1*computeTokens`` so a reader can check each expectation.
@@ -15,22 +15,32 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
+from app.scheduling.policy import Policy, PolicyBook, make_decode_policy, make_prefill_policy
 from app.scheduling.routing import (
-    DECODE_STRATEGIES,
-    PREFILL_STRATEGIES,
     Choice,
     DecodeQuery,
     NoWorker,
     PrefillQuery,
     WorkerView,
     eligible_prefill,
-    make_decode_strategy,
-    make_prefill_strategy,
     top_candidates,
 )
-from app.scheduling.strategies.cost import CostStrategy
-from app.scheduling.strategies.kv_headroom import KvHeadroomStrategy
-from app.scheduling.strategies.prefix import PrefixStrategy
+
+PREFILL_STRATEGIES = PolicyBook().names("prefill")
+DECODE_STRATEGIES = PolicyBook().names("decode")
+
+
+def cost_policy(formula: object, **kw: object) -> Policy:
+    return make_prefill_policy("cost", formula=formula, **kw)
+
+
+def prefix_policy(formula: object = None, **kw: object) -> Policy:
+    return make_prefill_policy("prefix", formula=formula, **kw)
+
+
+def kv_policy(**kw: object) -> Policy:
+    return make_decode_policy("kv_headroom", **kw)
+
 
 # predict_ms(L, h) = 10 + 0.1 * (L - h)
 LINEAR = compile_formula("10 + 0.1*computeTokens")
@@ -72,7 +82,7 @@ def test_cost_prefers_the_cache_holder_while_it_finishes_sooner() -> None:
     # A owes 100 ms: cost(A) = 156.4, cost(B) = 210; the gap 53.6 exceeds max(10% of 156.4, 20) = 20.
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=100.0), pw("B")]
-    choice = CostStrategy(LINEAR).choose(q, workers, rng())
+    choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "A"
     assert choice.hit_tokens == 1536
     assert choice.predicted_ms == pytest.approx(56.4)
@@ -84,7 +94,7 @@ def test_cost_leaves_a_busy_cache_holder_for_a_worker_that_finishes_sooner() -> 
     # A owes 200 ms and has 100 ms queued: cost(A) = 56.4 + 300 = 356.4 > cost(B) = 210 + 21 (10%).
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=200.0, queued_ms=100.0), pw("B")]
-    choice = CostStrategy(LINEAR).choose(q, workers, rng())
+    choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "B"
     assert choice.hit_tokens == 0
     assert choice.predicted_ms == pytest.approx(210.0)
@@ -96,32 +106,32 @@ def test_cost_near_tie_between_holder_and_idle_worker() -> None:
     # and within the band the cache holder keeps the prompt (cache affinity).
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=170.0), pw("B")]
-    assert set(picks(CostStrategy(LINEAR), q, workers, seed=1, n=200)) == {"A"}
+    assert set(picks(cost_policy(LINEAR), q, workers, seed=1, n=200)) == {"A"}
     # With ties switched off the strict minimum wins every time.
-    strict = CostStrategy(LINEAR, tie_pct=0.0, tie_ms=0.0)
+    strict = cost_policy(LINEAR, tie_pct=0.0, tie_abs=0.0)
     assert set(picks(strict, q, workers, seed=1, n=50)) == {"B"}
     # Equal hits (none here) within the band: drawn at random.
     cold = [pw("A", owed_ms=5.0), pw("B")]
-    assert set(picks(CostStrategy(LINEAR), pq(2000, {}), cold, seed=1, n=200)) == {"A", "B"}
+    assert set(picks(cost_policy(LINEAR), pq(2000, {}), cold, seed=1, n=200)) == {"A", "B"}
 
 
 def test_cost_full_hit_is_capped_to_full_blocks_before_the_last_token() -> None:
     # A 1024-token prompt fully cached (4 blocks of 256) still computes its last block: hit = 3 blocks.
     q = pq(1024, {"A": 4})
-    choice = CostStrategy(LINEAR).choose(q, [pw("A")], rng())
+    choice = cost_policy(LINEAR).choose(q, [pw("A")], rng())
     assert choice.hit_tokens == 768
     assert choice.predicted_ms == pytest.approx(10 + 0.1 * 256)
     # A mirror claiming more blocks than the prompt has is capped the same way.
-    assert CostStrategy(LINEAR).choose(pq(1024, {"A": 99}), [pw("A")], rng()).hit_tokens == 768
+    assert cost_policy(LINEAR).choose(pq(1024, {"A": 99}), [pw("A")], rng()).hit_tokens == 768
     # One token past the block boundary: all 4 full blocks count.
-    assert CostStrategy(LINEAR).choose(pq(1025, {"A": 4}), [pw("A")], rng()).hit_tokens == 1024
+    assert cost_policy(LINEAR).choose(pq(1025, {"A": 4}), [pw("A")], rng()).hit_tokens == 1024
     # A prompt shorter than one block can never hit.
-    assert CostStrategy(LINEAR).choose(pq(200, {"A": 1}), [pw("A")], rng()).hit_tokens == 0
+    assert cost_policy(LINEAR).choose(pq(200, {"A": 1}), [pw("A")], rng()).hit_tokens == 0
 
 
 def test_cost_partial_blocks_never_count() -> None:
     # The mirror reports blocks, so a hit is always a multiple of the block size.
-    choice = CostStrategy(LINEAR).choose(pq(5000, {"A": 3}, block=64), [pw("A")], rng())
+    choice = cost_policy(LINEAR).choose(pq(5000, {"A": 3}, block=64), [pw("A")], rng())
     assert choice.hit_tokens == 192
 
 
@@ -136,7 +146,7 @@ def test_cost_partial_blocks_never_count() -> None:
     ],
 )
 def test_cost_hard_filters(bad: dict[str, object], reason: str) -> None:
-    strategy = CostStrategy(LINEAR, hotspot_queue_len=4)
+    strategy = cost_policy(LINEAR, hotspot_queue_len=4)
     q = pq(2000)
     # The filtered worker would be far cheaper (idle) than the one left: only the filter keeps it out.
     ok = pw("ok", owed_ms=10_000.0, queue_len=4)
@@ -150,47 +160,47 @@ def test_cost_hard_filters(bad: dict[str, object], reason: str) -> None:
 def test_kv_filter_counts_the_cached_prefix() -> None:
     # 2000 tokens, 1536 cached: only 464 must be computed, and 500 free tokens suffice for that.
     tight = pw("A", kv_free_tokens=300, kv_evictable_tokens=200)
-    assert CostStrategy(LINEAR).choose(pq(2000, {"A": 6}), [tight], rng()).worker_id == "A"
+    assert cost_policy(LINEAR).choose(pq(2000, {"A": 6}), [tight], rng()).worker_id == "A"
     with pytest.raises(NoWorker, match="no worker can hold 2000 tokens"):
-        CostStrategy(LINEAR).choose(pq(2000), [tight], rng())
+        cost_policy(LINEAR).choose(pq(2000), [tight], rng())
 
 
 def test_filters_ignore_workers_of_the_other_role() -> None:
     with pytest.raises(NoWorker, match="no live prefill worker"):
-        CostStrategy(LINEAR).choose(pq(100), [dw("d")], rng())
+        cost_policy(LINEAR).choose(pq(100), [dw("d")], rng())
     with pytest.raises(NoWorker, match="no live decode worker"):
-        make_decode_strategy("kv_headroom").choose(DecodeQuery(10, 10), [pw("p")], rng())
+        make_decode_policy("kv_headroom").choose(DecodeQuery(10, 10), [pw("p")], rng())
 
 
 def test_near_tie_randomises_reproducibly_and_ignores_snapshot_order() -> None:
     workers = [pw("A", owed_ms=50.0), pw("B", owed_ms=50.0)]
     q = pq(1000)
-    first = picks(CostStrategy(LINEAR), q, workers, seed=7, n=200)
+    first = picks(cost_policy(LINEAR), q, workers, seed=7, n=200)
     assert set(first) == {"A", "B"}
     assert min(Counter(first).values()) > 60  # roughly even, not merely both present
-    assert picks(CostStrategy(LINEAR), q, workers, seed=7, n=200) == first
-    assert picks(CostStrategy(LINEAR), q, workers[::-1], seed=7, n=200) == first
-    assert picks(CostStrategy(LINEAR), q, workers, seed=8, n=200) != first
+    assert picks(cost_policy(LINEAR), q, workers, seed=7, n=200) == first
+    assert picks(cost_policy(LINEAR), q, workers[::-1], seed=7, n=200) == first
+    assert picks(cost_policy(LINEAR), q, workers, seed=8, n=200) != first
 
 
 def test_unique_winner_consumes_no_randomness() -> None:
     r = random.Random(3)
     before = r.getstate()
-    CostStrategy(LINEAR).choose(pq(2000, {"A": 6}), [pw("A"), pw("B")], r)
+    cost_policy(LINEAR).choose(pq(2000, {"A": 6}), [pw("A"), pw("B")], r)
     assert r.getstate() == before
 
 
 def test_strategy_constructors_validate() -> None:
     with pytest.raises(TypeError):
-        CostStrategy("10 + inputTokens")  # type: ignore[arg-type]
+        cost_policy("10 + inputTokens")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        CostStrategy(LINEAR, tie_pct=-0.1)
+        cost_policy(LINEAR, tie_pct=-0.1)
     with pytest.raises(ValueError):
-        CostStrategy(LINEAR, hotspot_queue_len=-1)
+        cost_policy(LINEAR, hotspot_queue_len=-1)
     with pytest.raises(ValueError):
-        PrefixStrategy(balance_rel=0.5)
+        prefix_policy(balance_rel=0.5)
     with pytest.raises(ValueError):
-        KvHeadroomStrategy(tie_pct=1.0)
+        kv_policy(tie_pct=1.0)
     with pytest.raises(ValueError):
         PrefillQuery(10, {}, 0)
     with pytest.raises(ValueError):
@@ -204,17 +214,17 @@ def test_strategy_constructors_validate() -> None:
 def test_prefill_least_load_ignores_the_cache() -> None:
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=30.0), pw("B", queued_ms=20.0), pw("C", owed_ms=10.0, queued_ms=15.0)]
-    choice = make_prefill_strategy("least_load", formula=LINEAR).choose(q, workers, rng())
+    choice = make_prefill_policy("least_load", formula=LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "B"
     assert choice.score == 20.0
     assert choice.predicted_ms == pytest.approx(210.0)
     # Exact ties are spread.
     even = [pw("A"), pw("B"), pw("C", owed_ms=1.0)]
-    assert set(picks(make_prefill_strategy("least_load"), q, even, seed=0, n=100)) == {"A", "B"}
+    assert set(picks(make_prefill_policy("least_load"), q, even, seed=0, n=100)) == {"A", "B"}
 
 
 def test_round_robin_cycles_by_id_and_survives_membership_changes() -> None:
-    rr = make_prefill_strategy("round_robin")
+    rr = make_prefill_policy("round_robin")
     workers = [pw("c"), pw("a"), pw("b")]
     q = pq(100)
     assert picks(rr, q, workers, seed=0, n=7) == ["a", "b", "c", "a", "b", "c", "a"]
@@ -226,17 +236,17 @@ def test_round_robin_cycles_by_id_and_survives_membership_changes() -> None:
 
 
 def test_decode_round_robin_cycles_over_workers_with_room() -> None:
-    rr = make_decode_strategy("round_robin")
+    rr = make_decode_policy("round_robin")
     workers = [dw("y"), dw("x"), dw("full", kv_free_tokens=10), dw("z")]
     assert picks(rr, DecodeQuery(50, 50), workers, seed=0, n=4) == ["x", "y", "z", "x"]
 
 
 def test_random_draws_only_eligible_workers() -> None:
     workers = [pw("a"), pw("b"), pw("down", up=False), pw("c"), pw("small", kv_total_tokens=10)]
-    seen = set(picks(make_prefill_strategy("random"), pq(100), workers, seed=2, n=200))
+    seen = set(picks(make_prefill_policy("random"), pq(100), workers, seed=2, n=200))
     assert seen == {"a", "b", "c"}
     dworkers = [dw("a"), dw("b"), dw("full", reserved_tokens=99_950)]
-    seen = set(picks(make_decode_strategy("random"), DecodeQuery(50, 50), dworkers, seed=2, n=200))
+    seen = set(picks(make_decode_policy("random"), DecodeQuery(50, 50), dworkers, seed=2, n=200))
     assert seen == {"a", "b"}
 
 
@@ -244,8 +254,8 @@ def test_random_draws_only_eligible_workers() -> None:
 # prefix
 
 
-def make_prefix() -> PrefixStrategy:
-    return PrefixStrategy(LINEAR)
+def make_prefix() -> Policy:
+    return prefix_policy(LINEAR)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +300,7 @@ def test_kv_headroom_picks_the_most_unreserved_kv() -> None:
         dw("B", kv_free_tokens=80_000, reserved_tokens=40_000),  # min(80k, 100k - 40k) = 60k
         dw("C", kv_free_tokens=70_000, reserved_tokens=1_000),  # min(70k, 99k) = 70k
     ]
-    choice = make_decode_strategy("kv_headroom").choose(DecodeQuery(1000, 500), workers, rng())
+    choice = make_decode_policy("kv_headroom").choose(DecodeQuery(1000, 500), workers, rng())
     assert (choice.worker_id, choice.score, choice.reason) == ("C", 70_000.0, "kv_headroom")
 
 
@@ -298,20 +308,20 @@ def test_kv_headroom_does_not_count_a_running_sequence_twice() -> None:
     """40k tokens of running sequences are both allocated on the worker (free 60k) and still
     reserved until their streams end: the headroom is 60k, not 60k − 40k."""
     busy = dw("A", kv_free_tokens=60_000, reserved_tokens=40_000)
-    choice = make_decode_strategy("kv_headroom").choose(DecodeQuery(40_000, 15_000), [busy], rng())
+    choice = make_decode_policy("kv_headroom").choose(DecodeQuery(40_000, 15_000), [busy], rng())
     assert (choice.worker_id, choice.score) == ("A", 60_000.0)
 
 
 def test_kv_headroom_fit_and_no_worker() -> None:
     q = DecodeQuery(1000, 500)
     fits_exactly = dw("A", kv_total_tokens=2000, kv_free_tokens=2000, reserved_tokens=500)  # 1500 = need
-    assert make_decode_strategy("kv_headroom").choose(q, [fits_exactly], rng()).worker_id == "A"
+    assert make_decode_policy("kv_headroom").choose(q, [fits_exactly], rng()).worker_id == "A"
     short = dw("A", kv_total_tokens=2000, kv_free_tokens=2000, reserved_tokens=501)
     with pytest.raises(NoWorker) as err:
-        make_decode_strategy("kv_headroom").choose(q, [short, dw("B", draining=True)], rng())
+        make_decode_policy("kv_headroom").choose(q, [short, dw("B", draining=True)], rng())
     assert err.value.reason == "no decode worker has KV headroom for 1500 tokens"
     with pytest.raises(NoWorker, match="no live decode worker"):
-        make_decode_strategy("kv_headroom").choose(q, [dw("B", up=False)], rng())
+        make_decode_policy("kv_headroom").choose(q, [dw("B", up=False)], rng())
 
 
 def test_kv_headroom_near_tie_within_five_percent() -> None:
@@ -320,7 +330,7 @@ def test_kv_headroom_near_tie_within_five_percent() -> None:
         dw("B", kv_free_tokens=96_000),
         dw("C", kv_free_tokens=94_000),
     ]
-    seen = set(picks(make_decode_strategy("kv_headroom"), DecodeQuery(100, 100), workers, seed=4, n=200))
+    seen = set(picks(make_decode_policy("kv_headroom"), DecodeQuery(100, 100), workers, seed=4, n=200))
     assert seen == {"A", "B"}
 
 
@@ -331,7 +341,7 @@ def test_decode_least_load_ranks_by_reserved_then_running() -> None:
         dw("C", reserved_tokens=3000, running=4),
         dw("D", reserved_tokens=99_999),  # cannot fit
     ]
-    choice = make_decode_strategy("least_load").choose(DecodeQuery(100, 100), workers, rng())
+    choice = make_decode_policy("least_load").choose(DecodeQuery(100, 100), workers, rng())
     assert (choice.worker_id, choice.score) == ("C", 3000.0)
 
 
@@ -341,30 +351,34 @@ def test_decode_least_load_ranks_by_reserved_then_running() -> None:
 
 def test_make_strategy_errors_name_the_known_strategies() -> None:
     with pytest.raises(ValueError, match="cost, least_load, prefix, random, round_robin"):
-        make_prefill_strategy("fastest")
+        make_prefill_policy("fastest")
     with pytest.raises(ValueError, match="kv_headroom, least_load, random, round_robin"):
-        make_decode_strategy("cost")
+        make_decode_policy("cost")
     with pytest.raises(TypeError):
-        make_prefill_strategy("cost")  # the formula is required
+        make_prefill_policy("cost")  # the formula is required
     with pytest.raises(TypeError):
-        make_prefill_strategy("random", tie_ms=5)  # a knob that strategy does not have
+        make_prefill_policy("random", tie_ms=5)  # a knob that strategy does not have
 
 
 def test_every_prefill_strategy_accepts_the_common_keywords() -> None:
     for name in PREFILL_STRATEGIES:
-        strategy = make_prefill_strategy(name, formula=LINEAR, hotspot_queue_len=8)
+        strategy = make_prefill_policy(name, formula=LINEAR, hotspot_queue_len=8)
         assert strategy.name == name
         choice = strategy.choose(pq(2000, {"A": 6}), [pw("A")], rng())
         assert choice == Choice("A", 1536, pytest.approx(56.4), choice.score, choice.reason)
     for name in DECODE_STRATEGIES:
-        assert make_decode_strategy(name).name == name
+        assert make_decode_policy(name).name == name
 
 
-def test_registry_matches_the_admin_api() -> None:
-    from app.gateway import admin
-
-    assert set(PREFILL_STRATEGIES) == admin.PREFILL_STRATEGIES
-    assert set(DECODE_STRATEGIES) == admin.DECODE_STRATEGIES
+def test_the_admin_api_lists_what_the_registry_holds() -> None:
+    book = PolicyBook(
+        {"sticky": {"role": "prefill", "scorers": {"predicted_finish_ms": 1, "cache_hit_tokens": 0.1}}}
+    )
+    listed = book.describe()
+    assert sorted(listed["policies"]["prefill"]) == sorted([*PREFILL_STRATEGIES, "sticky"])
+    assert sorted(listed["policies"]["decode"]) == DECODE_STRATEGIES
+    assert "cache_hit_tokens" in listed["plugins"]["scorer"]
+    assert listed["plugins"]["filter"]["hotspot"]["params"] == {"hotspot_queue_len": None}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -439,8 +453,8 @@ def run_many(
 def test_prefill_choice_is_deterministic_and_eligible(
     name: str, q: PrefillQuery, workers: list[WorkerView], seed: int, hot: int | None
 ) -> None:
-    first = run_many(make_prefill_strategy(name, formula=DEFAULT, hotspot_queue_len=hot), q, workers, seed)
-    again = run_many(make_prefill_strategy(name, formula=DEFAULT, hotspot_queue_len=hot), q, workers, seed)
+    first = run_many(make_prefill_policy(name, formula=DEFAULT, hotspot_queue_len=hot), q, workers, seed)
+    again = run_many(make_prefill_policy(name, formula=DEFAULT, hotspot_queue_len=hot), q, workers, seed)
     assert first == again
     try:
         eligible, hits = eligible_prefill(q, workers, hot)
@@ -466,8 +480,8 @@ def test_prefill_choice_is_deterministic_and_eligible(
 def test_decode_choice_is_deterministic_and_fits(
     name: str, q: DecodeQuery, workers: list[WorkerView], seed: int
 ) -> None:
-    first = run_many(make_decode_strategy(name), q, workers, seed)
-    assert first == run_many(make_decode_strategy(name), q, workers, seed)
+    first = run_many(make_decode_policy(name), q, workers, seed)
+    assert first == run_many(make_decode_policy(name), q, workers, seed)
     by_id = {w.id: w for w in workers}
     for choice in first[0]:
         if isinstance(choice, Choice):
@@ -481,7 +495,7 @@ def test_decode_choice_is_deterministic_and_fits(
 def test_cost_choice_is_within_the_tie_band_of_the_best(
     q: PrefillQuery, workers: list[WorkerView], seed: int
 ) -> None:
-    strategy = CostStrategy(DEFAULT)
+    strategy = cost_policy(DEFAULT)
     try:
         choice = strategy.choose(q, workers, random.Random(seed))
     except NoWorker:
@@ -506,8 +520,8 @@ def test_cost_choice_is_within_the_tie_band_of_the_best(
 def test_top_candidates_keeps_the_best_score(
     q: PrefillQuery, workers: list[WorkerView], k: int, name: str
 ) -> None:
-    kw: dict[str, object] = {"tie_pct": 0.0, "tie_ms": 0.0} if name == "cost" else {}
-    strategy = make_prefill_strategy(name, formula=DEFAULT, **kw)
+    kw: dict[str, object] = {"tie_pct": 0.0, "tie_abs": 0.0} if name == "cost" else {}
+    strategy = make_prefill_policy(name, formula=DEFAULT, **kw)
     try:
         full = strategy.choose(q, workers, random.Random(0))
     except NoWorker as exc:
@@ -534,10 +548,85 @@ def test_top_candidates_on_a_large_fleet() -> None:
     ids = {w.id for w in kept}
     assert {"w0500", "w0999"} <= ids
     assert len(kept) == 10
-    strategy = CostStrategy(DEFAULT, tie_pct=0.0, tie_ms=0.0)
+    strategy = cost_policy(DEFAULT, tie_pct=0.0, tie_abs=0.0)
     assert strategy.choose(q, kept, rng()).score == strategy.choose(q, workers, rng()).score
     # Equal loads at the cut are settled by id, whatever the order of the list.
     flat = [pw(f"w{i}") for i in range(6)]
     assert [w.id for w in top_candidates(pq(100), flat[::-1], 2)] == ["w1", "w0"]
     with pytest.raises(ValueError):
         top_candidates(q, workers, 0)
+
+
+# --------------------------------------------------------------------------------------------------
+# declared policies (FLEXLB_POLICIES)
+
+
+def test_a_declared_policy_composes_plugins_with_weights() -> None:
+    # Cost plus a cache bonus of 0.05 ms per cached token: A's 1536 cached tokens are worth 76.8 ms,
+    # more than its 6.4 ms extra cost (A: 56.4 + 160 = 216.4, B: cold 210), so A wins only with it.
+    book = PolicyBook(
+        {
+            "sticky": {
+                "role": "prefill",
+                "scorers": [{"name": "predicted_finish_ms"}, {"name": "cache_hit_tokens", "weight": 0.05}],
+            }
+        }
+    )
+    q = pq(2000, {"A": 6})
+    workers = [pw("A", owed_ms=160.0), pw("B")]
+    plain = book.build("prefill", "cost", LINEAR, tie_pct=0.0, tie_abs=0.0).choose(q, workers, rng())
+    sticky = book.build("prefill", "sticky", LINEAR).choose(q, workers, rng())
+    assert (plain.worker_id, sticky.worker_id) == ("B", "A")
+    assert sticky.score == pytest.approx(216.4 - 0.05 * 1536)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        ({"role": "both", "scorers": {"prefill_load_ms": 1}}, "role must be prefill or decode"),
+        ({"role": "prefill"}, "picker 'best' needs at least one scorer"),
+        ({"role": "prefill", "scorers": {"prefill_load_ms": 1}, "picker": "random"}, "ignores scorers"),
+        ({"role": "prefill", "scorers": {"prefill_load_ms": 0}}, "weight must be finite and > 0"),
+        ({"role": "prefill", "scorers": {"fastest": 1}}, "unknown scorer 'fastest'"),
+        ({"role": "decode", "scorers": {"prefill_load_ms": 1}}, "does not apply to decode"),
+        (
+            {"role": "prefill", "scorers": {"prefill_load_ms": 1}, "batching": "eager"},
+            "batching must be one of",
+        ),
+        ({"role": "prefill", "scorers": {"prefill_load_ms": 1}, "colour": 1}, "unknown field"),
+    ],
+)
+def test_a_malformed_declared_policy_is_refused_at_start_up(raw: dict[str, object], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        PolicyBook({"mine": raw})
+
+
+def test_a_declared_policy_cannot_take_a_builtin_name_or_an_unknown_parameter() -> None:
+    with pytest.raises(ValueError, match="built-in"):
+        PolicyBook({"cost": {"role": "prefill", "scorers": {"prefill_load_ms": 1}}})
+    with pytest.raises(TypeError, match="parameters: hotspot_queue_len"):
+        PolicyBook(
+            {
+                "hot": {
+                    "role": "prefill",
+                    "filters": [{"name": "hotspot", "limit": 3}],
+                    "scorers": {"prefill_load_ms": 1},
+                }
+            }
+        )
+
+
+def test_the_simulator_runs_declared_policies_with_their_batching() -> None:
+    from app.sim.cli import parse_policies
+
+    book = PolicyBook(
+        {"direct_cost": {"role": "prefill", "scorers": {"predicted_finish_ms": 1}, "batching": "direct"}}
+    )
+    specs = parse_policies("direct_cost,direct_cost@slo,cost", "fixed_window", book)
+    assert [(s.name, s.strategy, s.batching) for s in specs] == [
+        ("direct_cost", "direct_cost", "direct"),
+        ("direct_cost@slo", "direct_cost", "slo"),
+        ("cost", "cost", "fixed_window"),
+    ]
+    with pytest.raises(ValueError, match=r"known: cost, least_load, prefix, random, round_robin$"):
+        parse_policies("direct_cost", "fixed_window")

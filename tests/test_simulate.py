@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from app.cache.mirror import CacheMirror
+from app.cache.mirror import CacheMirror, SpecIndex
 from app.report.summary import METRIC_KEYS
 from app.sim.cli import main
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
-from app.sim.mirror import SimMirror, SpecIndex
 from app.traces import Trace, save_trace, synthetic_trace
 from workers.engine import tokens
 
@@ -137,7 +136,7 @@ def test_large_fleet_shortlist_runs() -> None:
 
 def test_fast_match_equals_live_mirror() -> None:
     rng = random.Random(5)
-    live, fast = CacheMirror(2000.0), SimMirror(2000.0)
+    live, fast = CacheMirror(2000.0), CacheMirror(2000.0, holders_index=True)
     spec = SpecIndex(2000.0)
     workers = [f"w{i}" for i in range(6)]
     chains = [[rng.getrandbits(62) for _ in range(12)] for _ in range(5)]
@@ -155,7 +154,8 @@ def test_fast_match_equals_live_mirror() -> None:
         for c in chains:
             for n in (1, 5, 12):
                 want = {w: v for w, v in live.match(c[:n], workers, now).items() if v}
-                assert fast.match_fast(c[:n], spec, now) == want
+                assert fast.match_fast(c[:n], now, spec) == want
+                assert live.match_fast(c[:n], now) == want  # without the holders index
 
 
 def test_small_token_path_matches_vectorised() -> None:

@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from app.scheduling.commit import owed_ms
 from app.state.embedded_redis import EmbeddedRedis, start_embedded_redis
 from app.state.keys import Keys
 from app.state.store import TERMINAL, FencedOut, StateStore
@@ -185,25 +186,31 @@ async def test_settle_exactly_once(store: StateStore) -> None:
     assert await store.read_ledger(P) == {}
 
 
+async def _owed(store: StateStore, now: float) -> float:
+    """The owed time the owner's poller publishes: `commit.owed_ms` over the ledger."""
+    ledger = (await store.read_ledger(P)).values()
+    return owed_ms(((float(b["predicted_ms"]), float(b["start_ms"])) for b in ledger), now)
+
+
 async def test_owed_ms_arithmetic(store: StateStore) -> None:
     await _own(store, P)
     now = 1_700_000_000_000.0
-    assert await store.owed_ms(P, now) == 0.0
+    assert await _owed(store, now) == 0.0
     await store.commit_batch(P, "run", ["a", "b"], 100.0, now - 30.0, 1, "A")  # running: 70 left
     await store.commit_batch(P, "done", ["c"], 100.0, now - 250.0, 1, "A")  # overdue: 0
     await store.commit_batch(P, "next", ["d"], 40.0, now + 70.0, 1, "A")  # not started: all 40
-    assert await store.owed_ms(P, now) == pytest.approx(110.0)
-    assert await store.owed_ms(P, now + 50.0) == pytest.approx(20.0 + 40.0)
-    assert await store.owed_ms(P, now + 90.0) == pytest.approx(0.0 + 20.0)
+    assert await _owed(store, now) == pytest.approx(110.0)
+    assert await _owed(store, now + 50.0) == pytest.approx(20.0 + 40.0)
+    assert await _owed(store, now + 90.0) == pytest.approx(0.0 + 20.0)
     # Whole batch until its last member settles (one forward pass), then nothing.
     await store.settle(P, "run", "a")
-    assert await store.owed_ms(P, now) == pytest.approx(110.0)
+    assert await _owed(store, now) == pytest.approx(110.0)
     await store.settle(P, "run", "b")
-    assert await store.owed_ms(P, now) == pytest.approx(40.0)
+    assert await _owed(store, now) == pytest.approx(40.0)
     # Precision survives the re-encode on settle (start anchors are ~1e12 ms).
     await store.commit_batch(P, "p", ["x", "y"], 12.5, now + 0.25, 1, "A")
     await store.settle(P, "p", "x")
-    assert await store.owed_ms(P, now + 10.25) == pytest.approx(40.0 + 2.5, abs=0.01)
+    assert await _owed(store, now + 10.25) == pytest.approx(40.0 + 2.5, abs=0.01)
 
 
 # ---- snapshots ---------------------------------------------------------------------------------
@@ -303,7 +310,6 @@ async def test_commands_counted_one_per_call(store: StateStore) -> None:
         lambda: store.reserved_total(D),
         lambda: store.release(D, "r"),
         lambda: store.commit_batch(P, "b", ["r"], 1.0, 0.0, 1, "A"),
-        lambda: store.owed_ms(P, 0.0),
         lambda: store.settle(P, "b", "r"),
         lambda: store.settle_batch(P, "b"),
         lambda: store.tombstone(P, "t", 100),
@@ -434,13 +440,43 @@ async def test_anchor_batch_moves_only_the_start(store: StateStore) -> None:
     prediction stay byte for byte, and a settled batch is left alone."""
     await _own(store, P)
     now = 1_700_000_000_000.0
+    from app.scheduling.commit import owed_ms
+
+    async def owed(at: float) -> float:
+        ledger = await store.read_ledger(P)
+        return owed_ms(((b["predicted_ms"], b["start_ms"]) for b in ledger.values()), at)
+
     await store.commit_batch(P, "q", ["a", "b"], 40.0, now + 1000.0, 1, "A")
-    assert await store.owed_ms(P, now + 10.0) == pytest.approx(40.0)  # not started: owes it all
+    assert await owed(now + 10.0) == pytest.approx(40.0)  # not started: owes it all
     assert await store.anchor_batch(P, "q", now)
-    assert await store.owed_ms(P, now + 10.0) == pytest.approx(30.0)
+    assert await owed(now + 10.0) == pytest.approx(30.0)
     entry = (await store.read_ledger(P))["q"]
     assert entry["members"] == ["a", "b"] and entry["predicted_ms"] == 40.0 and entry["start_ms"] == now
     await store.settle(P, "q", "a")
     await store.settle(P, "q", "b")
     assert not await store.anchor_batch(P, "q", now)
     assert await store.read_ledger(P) == {}
+
+
+async def test_a_flushed_script_is_loaded_and_only_its_call_rerun(embedded_redis: EmbeddedRedis) -> None:
+    """After SCRIPT FLUSH (a restarted, empty server) every EVALSHA answers NOSCRIPT: the store
+    loads the script and reruns just the calls that never ran, not the rest of the round trip.
+    (On the embedded server only: flushing the shared one would disturb other test runs.)"""
+    r = aioredis.from_url(embedded_redis.url)
+    store = StateStore(r, Keys(f"t-{uuid.uuid4().hex[:8]}"))
+    try:
+        await store.redis.script_flush()
+        before = store.commands_total
+        assert await store.reserve(D, "r1", 10, 100)  # NOSCRIPT, then SCRIPT LOAD + EVALSHA
+        assert store.commands_total == before + 3
+        assert await store.reserved_total(D) == 10
+        await store.redis.script_flush()
+        marker = store.keys.prefix + ":marker"
+        cmds = [["INCR", marker], ["EVALSHA", store.sha("release"), 1, store.keys.reservations(D), "r1"]]
+        incr, released = await store.execute_scripts(cmds)
+        assert (incr, int(released)) == (1, 1)
+        assert int(await r.get(marker)) == 1  # the INCR ran once, not again with the retry
+        assert await store.reserved_total(D) == 0
+    finally:
+        await _delete_prefix(r, store.keys.prefix)
+        await r.aclose()

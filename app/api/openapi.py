@@ -18,14 +18,15 @@ context (`max_context_tokens`), and a request id may be refused as a duplicate (
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from app.api.schemas import SEED_MAX
-from app.gateway.admin import DECODE_STRATEGIES, PREFILL_STRATEGIES
 from app.gateway.errors import KINDS
+from app.scheduling.policy import DECODE, PREFILL, PolicyBook
 from app.state.store import PROGRESS, TERMINAL
 
 REF = "#/components/schemas/"
@@ -235,6 +236,7 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("post", "/admin/cache/match"): ADMIN_BODY,
     ("get", "/admin/stats"): [400, 401, 500],
     ("get", "/admin/config"): [401, 500],
+    ("get", "/admin/policies"): [401, 500],
     ("put", "/admin/config"): ADMIN_BODY,
 }
 #: Success bodies: (JSON schema, streaming chunk schema or None).
@@ -296,7 +298,9 @@ def _error_response(status: int) -> dict[str, Any]:
     return out
 
 
-def _request_rules(doc: dict[str, Any], model: str, max_new: int, vocab: int) -> None:
+def _request_rules(
+    doc: dict[str, Any], model: str, max_new: int, vocab: int, policies: Mapping[str, Sequence[str]]
+) -> None:
     """Settings-dependent limits and the cross-field rule of the native body."""
     schemas = doc["components"]["schemas"]
     for name in ("CompletionRequest", "ChatRequest"):
@@ -316,12 +320,20 @@ def _request_rules(doc: dict[str, Any], model: str, max_new: int, vocab: int) ->
     # Exactly one of prompt and input_ids: with both, both branches match, which oneOf refuses.
     gen["oneOf"] = [{"required": ["prompt"]}, {"required": ["input_ids"]}]
     patch = schemas["ConfigPatch"]["properties"]
-    patch["prefill_strategy"]["enum"] = sorted(PREFILL_STRATEGIES)
-    patch["decode_strategy"]["enum"] = sorted(DECODE_STRATEGIES)
+    patch["prefill_strategy"]["enum"] = sorted(policies[PREFILL])
+    patch["decode_strategy"]["enum"] = sorted(policies[DECODE])
     schemas["CacheMatch"]["properties"]["input_ids"]["items"]["maximum"] = vocab - 1
 
 
-def build_openapi(app: FastAPI, model: str, max_new_tokens: int, vocab: int) -> dict[str, Any]:
+def build_openapi(
+    app: FastAPI,
+    model: str,
+    max_new_tokens: int,
+    vocab: int,
+    policies: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, Any]:
+    """``policies``: role → the policy names this replica accepts (its policy registry); the
+    built-in ones when not given."""
     doc = get_openapi(
         title=app.title,
         version=app.version,
@@ -338,7 +350,10 @@ def build_openapi(app: FastAPI, model: str, max_new_tokens: int, vocab: int) -> 
         schemas.pop(name, None)
     schemas.update(SCHEMAS)
     comps["securitySchemes"] = {"adminToken": {"type": "http", "scheme": "bearer"}}
-    _request_rules(doc, model, max_new_tokens, vocab)
+    if policies is None:
+        book = PolicyBook()
+        policies = {PREFILL: book.names(PREFILL), DECODE: book.names(DECODE)}
+    _request_rules(doc, model, max_new_tokens, vocab, policies)
     for path, item in doc["paths"].items():
         for method, op in item.items():
             responses = op["responses"]

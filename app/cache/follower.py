@@ -14,12 +14,9 @@ import redis.asyncio as aioredis
 from app.cache.mirror import CacheMirror
 from app.cluster.poller import unpack_keys
 from app.state.keys import Keys
+from app.state.text import to_str as _s
 
 log = logging.getLogger("flexlb.cache")
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
 
 
 class MirrorFollower:

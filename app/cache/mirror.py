@@ -2,15 +2,28 @@
 
 Fed by the owners' versioned diff streams (one per worker) after loading each worker's snapshot;
 prefix matching runs here, in process, with no Redis round trip on the request path. Speculative
-entries (a prefix just routed to a worker, not yet confirmed by its cache) expire after a short
-TTL so two requests sharing a prefix land together even before the worker reports it.
+entries (a prefix just routed to a worker, not yet confirmed by its cache) live in a `SpecIndex` for
+a short TTL so two requests sharing a prefix land together even before the worker reports it.
 Pure: time is passed in, never read.
+
+One implementation for the live gateway and the simulator (`app/sim/`): the gateway's replica owns
+one mirror with its own speculative index; the simulator shares one mirror of confirmed keys between
+its replicas and gives each replica its own `SpecIndex` (speculative entries are never published).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+__all__ = ["DEFAULT_SPEC_MAX_ENTRIES", "CacheMirror", "SpecIndex"]
+
+# Speculative (key, worker) entries one index keeps at most, whatever the TTL. At 100 req/s, a 2 s
+# TTL and ~50 blocks per prompt about 10,000 are live at once; the cap only bites on a burst of very
+# long prompts, and then drops the oldest entries first (the ones closest to expiry anyway).
+# ~400 bytes each at worst: the cap bounds the index to ~25 MB.
+DEFAULT_SPEC_MAX_ENTRIES = 65536
 
 
 @dataclass
@@ -20,17 +33,84 @@ class _WorkerView:
     keys: set[int] = field(default_factory=set)
 
 
+class SpecIndex:
+    """Speculative entries: block key → {worker id: expiry ms}, with expiry and a hard size cap.
+
+    One TTL for all entries, so insertion order is expiry order: expiring is a pop from the left of a
+    FIFO, never a scan of the whole index. `add` expires first, so an index that is only ever added
+    to (the live request path) stays bounded by rate × TTL, and by ``max_entries`` in any case.
+    (The live mirror kept these in a dict it never expired: ~80 MB of growth per 200 s at 100 req/s.)
+    """
+
+    __slots__ = ("_by_key", "_fifo", "max_entries", "ttl_ms")
+
+    def __init__(self, ttl_ms: float, max_entries: int = DEFAULT_SPEC_MAX_ENTRIES) -> None:
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be >= 1, got {max_entries}")
+        self.ttl_ms = ttl_ms
+        self.max_entries = max_entries
+        self._by_key: dict[int, dict[str, float]] = {}
+        # (expiry, key, worker) in insertion order; an entry renewed since is skipped when popped.
+        self._fifo: deque[tuple[float, int, str]] = deque()
+
+    def add(self, worker: str, keys: Sequence[int], now_ms: float) -> None:
+        self.expire(now_ms)
+        exp = now_ms + self.ttl_ms
+        by_key = self._by_key
+        push = self._fifo.append
+        for k in keys:
+            d = by_key.get(k)
+            if d is None:
+                by_key[k] = {worker: exp}
+            else:
+                d[worker] = exp
+            push((exp, k, worker))
+        while len(self._fifo) > self.max_entries:
+            self._pop()
+
+    def _pop(self) -> None:
+        exp, k, w = self._fifo.popleft()
+        d = self._by_key.get(k)
+        if d is not None and d.get(w) == exp:  # not renewed since
+            del d[w]
+            if not d:
+                del self._by_key[k]
+
+    def expire(self, now_ms: float) -> None:
+        """Drop expired entries (matching ignores them anyway; this bounds memory)."""
+        fifo = self._fifo
+        while fifo and fifo[0][0] <= now_ms:
+            self._pop()
+
+    def get(self, key: int) -> dict[str, float] | None:
+        return self._by_key.get(key)
+
+    def entries(self) -> int:
+        """Entries held (live or expired but not yet popped): what the cap bounds."""
+        return len(self._fifo)
+
+    def __len__(self) -> int:
+        """Distinct block keys with at least one entry."""
+        return len(self._by_key)
+
+
 class CacheMirror:
-    def __init__(self, speculative_ttl_ms: float = 2000.0, *, holders_index: bool = False) -> None:
+    def __init__(
+        self,
+        speculative_ttl_ms: float = 2000.0,
+        *,
+        holders_index: bool = False,
+        speculative_max_entries: int = DEFAULT_SPEC_MAX_ENTRIES,
+    ) -> None:
         """`holders_index`: also keep block key -> holders (the simulator's `match_fast` starts
         from block 0's holders among 1,000 workers). The gateway leaves it off: a set per key made
         every block key a container the garbage collector walks (200K keys: a 157 ms full
         collection, a stall of the whole event loop), and one set of keys per worker is all
-        `match` reads."""
+        `match` reads; `match_fast` then finds block 0's holders by one set lookup per worker."""
         self.speculative_ttl_ms = speculative_ttl_ms
         self._index: dict[int, set[str]] | None = {} if holders_index else None
         self._workers: dict[str, _WorkerView] = {}
-        self._spec: dict[tuple[int, str], float] = {}  # (key, worker) → expiry ms
+        self.spec = SpecIndex(speculative_ttl_ms, speculative_max_entries)
 
     # ---- feeding -------------------------------------------------------------------------
     def version(self, worker: str) -> tuple[str, int]:
@@ -93,13 +173,11 @@ class CacheMirror:
                     del self._index[k]
 
     def add_speculative(self, worker: str, keys: Sequence[int], now_ms: float) -> None:
-        exp = now_ms + self.speculative_ttl_ms
-        for k in keys:
-            self._spec[(k, worker)] = exp
+        """Remember that ``keys`` were just routed to ``worker`` (expires after the TTL)."""
+        self.spec.add(worker, keys, now_ms)
 
     def expire(self, now_ms: float) -> None:
-        for kw in [kw for kw, e in self._spec.items() if e <= now_ms]:
-            del self._spec[kw]
+        self.spec.expire(now_ms)
 
     # ---- queries -------------------------------------------------------------------------
     def holders(self, key: int, now_ms: float) -> set[str]:
@@ -107,29 +185,57 @@ class CacheMirror:
             out = set(self._index.get(key, ()))
         else:
             out = {w for w, v in self._workers.items() if key in v.keys}
-        for (k, w), e in self._spec.items():
-            if k == key and e > now_ms:
-                out.add(w)
+        sp = self.spec.get(key)
+        if sp:
+            out.update(w for w, e in sp.items() if e > now_ms)
         return out
 
     def match(self, keys: Sequence[int], workers: Iterable[str], now_ms: float) -> dict[str, int]:
-        """Leading blocks of `keys` each worker holds (confirmed or speculative)."""
-        out: dict[str, int] = {}
-        for w in workers:
-            view = self._workers.get(w)
-            held = view.keys if view else set()
-            n = 0
-            for k in keys:
-                if k in held:
-                    n += 1
-                    continue
-                e = self._spec.get((k, w))
-                if e is not None and e > now_ms:
-                    n += 1
-                    continue
-                break
-            out[w] = n
-        return out
+        """Leading blocks of `keys` each of `workers` holds (confirmed or speculative), 0 included."""
+        return {w: self._run(w, keys, 0, self.spec, now_ms) for w in workers}
+
+    def _run(self, w: str, keys: Sequence[int], n: int, spec: SpecIndex, now_ms: float) -> int:
+        """How many leading blocks of ``keys`` worker ``w`` holds, counting on from block ``n``
+        (the caller knows the first ``n`` are held): confirmed, or speculative and unexpired."""
+        view = self._workers.get(w)
+        held = view.keys if view is not None else ()
+        spec_get = spec.get
+        n_keys = len(keys)
+        while n < n_keys:
+            k = keys[n]
+            if k in held:
+                n += 1
+                continue
+            sp = spec_get(k)
+            if sp is not None and sp.get(w, 0.0) > now_ms:
+                n += 1
+                continue
+            break
+        return n
+
+    def match_fast(self, keys: Sequence[int], now_ms: float, spec: SpecIndex | None = None) -> dict[str, int]:
+        """Leading blocks of ``keys`` each worker holds, confirmed or (unexpired) speculative, for
+        the workers that hold at least the first block; the others are absent (= 0 blocks).
+
+        Equal to `match` over every worker restricted to non-zero answers, but visits only block 0's
+        holders (from the holders index when kept, else one set lookup per worker): at 1,000
+        simulated workers walking every worker was most of the simulator's time. ``spec`` replaces
+        the mirror's own speculative index (the simulator's per-replica entries)."""
+        if not keys:
+            return {}
+        spec = self.spec if spec is None else spec
+        k0 = keys[0]
+        workers = self._workers
+        if self._index is not None:
+            holders: set[str] = set(self._index.get(k0, ()))
+        else:
+            holders = {w for w, v in workers.items() if k0 in v.keys}
+        sp0 = spec.get(k0)
+        if sp0:
+            holders.update(w for w, e in sp0.items() if e > now_ms)
+        if not holders:
+            return {}
+        return {w: self._run(w, keys, 1, spec, now_ms) for w in holders}
 
     def size(self, worker: str) -> int:
         v = self._workers.get(worker)

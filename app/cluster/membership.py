@@ -19,78 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Any
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from app.state.keys import Keys
+from app.state.scripting import LuaScript, is_noscript
+from app.state.text import to_str_or_none as as_str
 
 log = logging.getLogger(__name__)
-
-
-class LuaScript:
-    """A Lua script run by EVALSHA, loaded on first NOSCRIPT (also after Redis restarts empty).
-
-    Shared by the cluster modules. Unlike redis-py's `Script` in a pipeline, it does not send
-    `SCRIPT EXISTS` before every pipeline, so a steady-state tick costs no extra round trip.
-    """
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-    async def __call__(self, redis: Redis, keys: Sequence[str], args: Sequence[Any] = ()) -> Any:
-        try:
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await redis.script_load(self.source)
-            return await redis.evalsha(self.sha, len(keys), *keys, *args)
-
-    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any] = ()) -> None:
-        """Add one call to a pipeline; check its result with `is_noscript` and rerun it if so."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
-
-    async def run_many(self, redis: Redis, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-        """Run many calls in one non-transactional pipeline (one round trip, any slots).
-
-        Results are per call; a failed call's slot holds its exception instead of raising, so one bad
-        key does not hide the others. A connection failure raises for the whole batch.
-        """
-        if not calls:
-            return []
-        pipe = redis.pipeline(transaction=False)
-        for keys, args in calls:
-            self.queue(pipe, keys, args)
-        results: list[Any] = list(await pipe.execute(raise_on_error=False))
-        missing = [i for i, r in enumerate(results) if is_noscript(r)]
-        if missing:
-            # A call answered NOSCRIPT never ran, so rerunning just those is exact even for scripts
-            # whose result is not idempotent.
-            await redis.script_load(self.source)
-            pipe = redis.pipeline(transaction=False)
-            for i in missing:
-                self.queue(pipe, *calls[i])
-            for i, r in zip(missing, await pipe.execute(raise_on_error=False), strict=True):
-                results[i] = r
-        return results
-
-
-def is_noscript(result: Any) -> bool:
-    return isinstance(result, NoScriptError) or (
-        isinstance(result, Exception) and str(result).startswith("NOSCRIPT")
-    )
-
-
-def as_str(v: Any) -> str | None:
-    """Values arrive as bytes or str depending on the client's `decode_responses`; accept both."""
-    if v is None:
-        return None
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 # Server time in ms, as a string Redis accepts as a score (Lua 5.1 would print big numbers as 1.7e+12).

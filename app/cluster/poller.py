@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 
 from app.cluster.health import HealthChange, WorkerHealth
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.commit import owed_ms
 from app.state.keys import Keys
 
 log = logging.getLogger("flexlb.poller")
@@ -58,7 +59,6 @@ class WorkerPoller:
         down_after: int = 2,
         is_valid: Callable[[], bool] = lambda: True,
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
-        on_records: Callable[[str, list[dict[str, Any]], bool], Awaitable[None]] | None = None,
         on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
     ) -> None:
         self.wid = wid
@@ -71,7 +71,6 @@ class WorkerPoller:
         self.health = WorkerHealth(down_after=down_after)
         self.is_valid = is_valid
         self.on_health = on_health
-        self.on_records = on_records
         self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
         self.since_seq = 0
         self.cache_version: int | None = None
@@ -124,8 +123,6 @@ class WorkerPoller:
         if change is not None and change.epoch_changed:
             self.cache_version = None
         await self._changed(change)
-        if self.on_records is not None and (st.get("finished") or st.get("resync")):
-            await self.on_records(self.wid, st.get("finished", []), bool(st.get("resync")))
         if st.get("finished"):
             self.since_seq = st["finished"][-1]["seq"]
         self.last_status = st
@@ -173,11 +170,12 @@ class WorkerPoller:
             p.hgetall(self.keys.ledger(self.wid))
             queued, reserved, ledger = await p.execute()
         now = time.time() * 1000
-        owed = 0.0
-        for raw in ledger.values():
-            b = json.loads(raw)
-            elapsed = max(0.0, now - float(b.get("start_ms", now))) / max(time_scale, 1e-9)
-            owed += max(0.0, float(b.get("predicted_ms", 0.0)) - elapsed)
+        entries = [json.loads(raw) for raw in ledger.values()]
+        owed = owed_ms(
+            ((float(b.get("predicted_ms", 0.0)), float(b.get("start_ms", now))) for b in entries),
+            now,
+            time_scale,
+        )
         return owed, float(queued or 0.0), int(reserved or 0), len(ledger)
 
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:

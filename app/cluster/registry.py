@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from app.state.keys import Keys
+from app.state.text import to_str as _s
 
 ROLES = ("prefill", "decode")
 
@@ -67,7 +68,6 @@ class Registry:
                     self.keys.worker_info(s.id),
                     mapping={"role": s.role, "address": s.address, "state": "active"},
                 )
-            p.publish(self.keys.registry_events, "workers")
             await p.execute()
         return [s.id for s in specs]
 
@@ -75,7 +75,6 @@ class Registry:
         async with self.redis.pipeline(transaction=True) as p:
             p.srem(self.keys.workers, worker_id)
             p.hset(self.keys.worker_info(worker_id), "state", "removed")
-            p.publish(self.keys.registry_events, "workers")
             res = await p.execute()
         return bool(res[0])
 
@@ -84,7 +83,6 @@ class Registry:
             return False
         async with self.redis.pipeline(transaction=True) as p:
             p.hset(self.keys.worker_info(worker_id), "state", "draining")
-            p.publish(self.keys.registry_events, "workers")
             await p.execute()
         return True
 
@@ -97,7 +95,3 @@ class Registry:
                 p.hgetall(self.keys.worker_info(_s(wid)))
             infos = await p.execute()
         return {_s(w): {_s(k): _s(v) for k, v in info.items()} for w, info in zip(ids, infos, strict=True)}
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

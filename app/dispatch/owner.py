@@ -27,10 +27,12 @@ from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
-from app.state.handoff import GROUP, Handoff, s, unpack_tokens
+from app.state.handoff import GROUP, Handoff, unpack_tokens
 from app.state.resp import RespConnection, stream_entries
 from app.state.store import FencedOut, StateStore
+from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.owner")
 
@@ -343,7 +345,7 @@ class OwnerDispatcher:
                     self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
             elif self.config() is not self._cfg_seen:
                 self.batcher.config = self._scaled_config()
-            d = self.batcher.decide(time.time() * 1000)
+            d = commit_step(self.batcher, time.time() * 1000)
             for p, code in d.failed:
                 item: QueueItem = p.payload  # type: ignore[assignment]
                 M.BATCH_FAILED.labels(code).inc()
@@ -351,7 +353,6 @@ class OwnerDispatcher:
                     M.ADMISSION_REJECTIONS.labels("deadline_passed_in_queue").inc()
                 await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
             if d.items:
-                self.batcher.batch_started(d.items, time.time() * 1000)
                 M.BATCH_FLUSHES.labels(d.reason).inc()
                 M.BATCH_SIZE.observe(len(d.items))
                 now = time.time() * 1000
@@ -395,7 +396,7 @@ class OwnerDispatcher:
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
-                take_ms=sum(i.predicted_ms for i in items),
+                take_ms=committed_ms(items),
             )
         except FencedOut:
             self.timeline.forget(batch_id)

@@ -4,7 +4,6 @@ so they persist and apply on every replica (upstream lesson 10)."""
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -19,14 +18,14 @@ from app.gateway.errors import ApiError, check_token_ids
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
+from app.scheduling.policy import DECODE, PREFILL
+from app.state.text import to_str as _s
 
 RUNTIME_KEYS: dict[str, type] = {
     "prefill_strategy": str,
     "decode_strategy": str,
     "prefill_time_formula": str,
 }
-PREFILL_STRATEGIES = {"cost", "least_load", "round_robin", "random", "prefix"}
-DECODE_STRATEGIES = {"kv_headroom", "least_load", "round_robin", "random"}
 
 
 def _replica(request: Request) -> Replica:
@@ -63,7 +62,7 @@ class ConfigPatch(BaseModel):
     batcher's (BatcherConfig.validate), so a schema-valid patch is an applied one."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
-    # The published document lists the names (PREFILL_STRATEGIES, DECODE_STRATEGIES) as enums.
+    # The published document lists the policy names this replica accepts (its registry) as enums.
     prefill_strategy: str = Field(None)
     decode_strategy: str = Field(None)
     prefill_time_formula: str = Field(
@@ -182,6 +181,12 @@ async def stats(request: Request, reset: bool = False) -> dict[str, Any]:
     return {"replica": r.replica_id, "redis_commands_total": r.store.commands_total, "samples": out}
 
 
+@router.get("/policies")
+async def list_policies(request: Request) -> dict[str, Any]:
+    """The policies and plugins this replica's registry holds (names valid in `PUT /admin/config`)."""
+    return _replica(request).policies.describe()
+
+
 @router.get("/config")
 async def get_config(request: Request) -> dict[str, Any]:
     r = _replica(request)
@@ -210,16 +215,16 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     patch = body.model_dump(exclude_none=True)
     if not patch:
         raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
-    if "prefill_strategy" in patch and patch["prefill_strategy"] not in PREFILL_STRATEGIES:
-        raise ApiError("invalid_request", f"prefill_strategy: must be one of {sorted(PREFILL_STRATEGIES)}")
-    if "decode_strategy" in patch and patch["decode_strategy"] not in DECODE_STRATEGIES:
-        raise ApiError("invalid_request", f"decode_strategy: must be one of {sorted(DECODE_STRATEGIES)}")
+    r = _replica(request)
+    for key, role in (("prefill_strategy", PREFILL), ("decode_strategy", DECODE)):
+        known = r.policies.names(role)
+        if key in patch and patch[key] not in known:
+            raise ApiError("invalid_request", f"{key}: must be one of {known}")
     if "prefill_time_formula" in patch:
         try:
             compile_formula(patch["prefill_time_formula"])
         except FormulaError as exc:
             raise ApiError("invalid_request", f"prefill_time_formula: {exc}") from exc
-    r = _replica(request)
     current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
     try:
         batcher_config_from({**current, **{k: str(v) for k, v in patch.items()}})
@@ -228,10 +233,5 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     async with r.redis.pipeline(transaction=True) as p:
         p.hset(r.keys.config, mapping=patch)
         p.hincrby(r.keys.config, "version", 1)
-        p.publish(r.keys.registry_events, json.dumps({"config": sorted(patch)}))
         await p.execute()
     return await get_config(request)
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

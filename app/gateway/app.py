@@ -22,6 +22,7 @@ from app.config import Settings
 from app.gateway.admin import router as admin_router
 from app.gateway.errors import install_error_handlers
 from app.gateway.replica import Replica
+from app.scheduling.policy import DECODE, PREFILL
 
 log = logging.getLogger("flexlb.gateway")
 
@@ -56,7 +57,9 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
         """The published contract, with this replica's limits (served model, max tokens, vocabulary)."""
         if not schema:
             vocab = int(replica.tokenizer.vocab_size)
-            schema.update(build_openapi(app, settings.model, settings.max_new_tokens_limit, vocab))
+            book = replica.policies
+            names = {role: book.names(role) for role in (PREFILL, DECODE)}
+            schema.update(build_openapi(app, settings.model, settings.max_new_tokens_limit, vocab, names))
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

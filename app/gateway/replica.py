@@ -34,10 +34,11 @@ from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
-from app.scheduling.routing import make_decode_strategy, make_prefill_strategy
+from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook, batching_config
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
+from app.state.text import to_str as _s
 from app.tokens.tokenizer import load_tokenizer
 
 log = logging.getLogger("flexlb.replica")
@@ -90,7 +91,9 @@ class Replica:
             on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
             on_master_lose=lambda: self._lease_metric("master", "lost"),
         )
-        self.mirror = CacheMirror(settings.speculative_ttl_ms)
+        self.mirror = CacheMirror(
+            settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
+        )
         self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.follower = MirrorFollower(
@@ -105,11 +108,13 @@ class Replica:
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
-        self.batcher_config = BatcherConfig()
         self.admission = settings.admission_config()
         self.admission.validate()
+        # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
+        self.policies = PolicyBook(settings.policies)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
-        self.decode_strategy = make_decode_strategy(settings.decode_strategy)
+        self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
+        self.batcher_config = self._batching(BatcherConfig(), {})
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
@@ -155,10 +160,18 @@ class Replica:
             c = self.clients[wid] = WorkerClient(addr)
         return c
 
-    def _make_prefill(self, name: str) -> Any:
-        """Every prefill strategy gets the formula, so its choice carries the predicted ms that the
-        hand-off adds to the worker's queued time, whatever the strategy."""
-        return make_prefill_strategy(name, formula=self.formula)
+    def _make_prefill(self, name: str) -> Policy:
+        """Every prefill policy gets the formula, so its choice carries the predicted ms that the
+        hand-off adds to the worker's queued time, whatever the policy."""
+        return self.policies.build(PREFILL, name, self.formula)
+
+    def _batching(self, bc: BatcherConfig, cfg: dict[str, str]) -> BatcherConfig:
+        """The selected prefill policy's batching mode (a declared policy may name one) over the
+        runtime config's knobs, unless the runtime config sets the mode or algorithm itself."""
+        mode = self.prefill_strategy.batching
+        if mode is None or {"schedule_mode", "batch_algorithm"} & cfg.keys():
+            return bc
+        return batching_config(mode, bc.slo_ttft_ms, bc)
 
     def wake_owner(self, wid: str) -> None:
         """Origin and owner are the same replica: nothing to do beyond the XADD, which already
@@ -180,8 +193,10 @@ class Replica:
         self.prefill_strategy = self._make_prefill(
             cfg.get("prefill_strategy", self.settings.prefill_strategy)
         )
-        self.decode_strategy = make_decode_strategy(cfg.get("decode_strategy", self.settings.decode_strategy))
-        self.batcher_config = batcher_config_from(cfg)
+        self.decode_strategy = self.policies.build(
+            DECODE, cfg.get("decode_strategy", self.settings.decode_strategy)
+        )
+        self.batcher_config = self._batching(batcher_config_from(cfg), cfg)
         for d in self.dispatchers.values():
             d.wake.set()  # apply the new knobs now, not at the batcher's next timer
         if version:
@@ -524,7 +539,3 @@ async def _stop_poller(p: WorkerPoller) -> None:
             return
         except TimeoutError:
             continue
-
-
-def _s(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x

@@ -11,9 +11,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from app.state.handoff import s
 from app.state.keys import Keys
 from app.state.resp import RespConnection, stream_entries
+from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.origin")
 
@@ -30,7 +30,6 @@ class ReplyRouter:
         self._waiting: dict[str, asyncio.Future[dict[str, str]]] = {}
         self._early: dict[str, dict[str, str]] = {}  # arrived before anyone waited (bounded)
         self._task: asyncio.Task[None] | None = None
-        self.reads = 0
 
     def expect(self, request_id: str) -> asyncio.Future[dict[str, str]]:
         fut: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
@@ -47,7 +46,6 @@ class ReplyRouter:
 
     async def start(self) -> None:
         # Start from the stream's current end: replies are only for requests made from now on.
-        self.reads += 1
         info = await self.redis.xinfo_stream(self.key) if await self.redis.exists(self.key) else None
         last = s(info["last-generated-id"]) if info else "0-0"
         self._task = asyncio.create_task(self._run(last), name="replies")
@@ -55,7 +53,6 @@ class ReplyRouter:
     async def _run(self, last: str) -> None:
         while True:
             try:
-                self.reads += 1
                 entries = await self._read(last)
             except asyncio.CancelledError:
                 raise

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
@@ -29,10 +29,10 @@ from app.scheduling.admission import decide as admission_decide
 from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.reserve import OutputLengthEstimator
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, owed_less_finished
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
 from app.state.handoff import Handoff, pack_tokens
-from app.state.handoff import s as _s
-from app.state.store import _REQUEST_RESERVED, _flatten
+from app.state.store import request_fields
+from app.state.text import to_str as _s
 
 if TYPE_CHECKING:
     from app.gateway.replica import Replica
@@ -129,7 +129,7 @@ class Pipeline:
         self.live: dict[str, asyncio.Task[Any]] = {}  # request id → the task running it here
         self.cancel_requested: set[str] = set()  # ids cancel_local() cancelled and still live
         # worker id → this origin's prefills that finished there lately: (predicted ms, modelled
-        # start and end on the worker's clock, wall time of the reply); see `_owed`.
+        # start and end on the worker's clock, wall time of the reply); see `routing.current_loads`.
         self.finished: dict[str, list[tuple[float, float, float, float]]] = {}
         # worker id → (the snapshot dict it was parsed from, registry state, its view): snapshots
         # are replaced, never mutated, a few times a second, while every request ranks every
@@ -154,30 +154,25 @@ class Pipeline:
             else:
                 view = _parse_view(wid, role, snap, state)
                 self._view_cache[wid] = (snap, state, view)
-            queued = view.queued_ms
-            ov = r.queued_overlay.get(wid)
-            if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0):
-                queued = ov[0]
-            owed = self._owed(wid, snap) if role == "prefill" else 0.0
-            fresh = self.owed_overlay.get(wid) if role == "prefill" else None
-            if fresh is not None and fresh[1] >= r.snapshot_time.get(wid, 0.0):
-                # read in our last hand-off's round trip, newer than the snapshot: aged since
-                scale = float(snap.get("time_scale", 1.0) or 1.0)
-                owed = max(0.0, fresh[0] - (time.time() - fresh[1]) * 1000.0 / scale)
+            prefill = role == "prefill"
+            now = time.time()
+            queued, owed = current_loads(
+                view.queued_ms,
+                float(snap.get("owed_ms", 0.0) or 0.0) if prefill else 0.0,
+                float(snap.get("now_ms", 0.0) or 0.0),
+                r.queued_overlay.get(wid),
+                r.snapshot_time.get(wid, 0.0),
+                self.finished.get(wid) if prefill else None,
+                now - 5.0,  # older entries are long since reflected, or from an older epoch
+                # the ledger's owed ms as our last hand-off there read it (HANDOFF script)
+                self.owed_overlay.get(wid) if prefill else None,
+                now,
+                1000.0 / float(snap.get("time_scale", 1.0) or 1.0),
+            )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
         return out
-
-    def _owed(self, wid: str, snap: dict[str, str]) -> float:
-        """See `routing.owed_less_finished`; entries older than 5 s are long since reflected, or
-        from an older worker epoch."""
-        owed = float(snap.get("owed_ms", 0.0) or 0.0)
-        done = self.finished.get(wid)
-        if not done:
-            return owed
-        now = float(snap.get("now_ms", 0.0) or 0.0)
-        return owed_less_finished(owed, now, done, time.time() - 5.0)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():
@@ -274,7 +269,7 @@ class Pipeline:
         r = self.r
         rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        args = [r.replica_id, *_flatten(fields, _REQUEST_RESERVED)]
+        args = [r.replica_id, *request_fields(fields)]
         dec = p.decode_worker
         cmds: list[list[Any]] = [
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
@@ -312,7 +307,7 @@ class Pipeline:
         r = self.r
         rid = req.request_id
         fields = {"endpoint": req.endpoint, "input_tokens": len(req.input_ids), "trace_id": req.trace_id}
-        scripts = r.store._scripts
+        sha = r.store.sha
         dec = p.decode_worker
         need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
@@ -322,19 +317,19 @@ class Pipeline:
             ["SADD", r.keys.origin_requests(r.replica_id), rid],
             [
                 "EVALSHA",
-                scripts["create_request"].sha,
+                sha("create_request"),
                 1,
                 r.keys.request(rid),
                 r.replica_id,
-                *_flatten(fields, _REQUEST_RESERVED),
+                *request_fields(fields),
             ],
         ]
         if dec:
-            cmds.append(["EVALSHA", scripts["reserve"].sha, 1, r.keys.reservations(dec), rid, need, cap])
+            cmds.append(["EVALSHA", sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         cmds.append(
             [
                 "EVALSHA",
-                scripts["handoff"].sha,
+                sha("handoff"),
                 3,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
@@ -364,14 +359,9 @@ class Pipeline:
         return float(self.r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
-        """One round trip; after NOSCRIPT (Redis restarted and lost its scripts) load them and run
-        it again — every command here is idempotent for its request id. Any other error reply
-        is raised."""
-        r = self.r
-        res = await r.store.execute(cmds)
-        if any(isinstance(x, NoScriptError) for x in res):
-            await r.store.load_scripts()
-            res = await r.store.execute(cmds)
+        """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised."""
+        res = await self.r.store.execute_scripts(cmds)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x

@@ -24,6 +24,7 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor
 
 from app.protocol import worker_api as W
+from app.state.text import to_str as _s
 
 
 class WorkerUnavailable(ConnectionError):
@@ -87,10 +88,6 @@ def _request(model: str, inputs: Sequence[Input], request_id: str) -> service_pb
 
 def _b(values: Sequence[str]) -> np.ndarray:
     return np.array([v.encode() for v in values], dtype=np.object_)
-
-
-def _s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class WorkerClient:

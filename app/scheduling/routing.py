@@ -1,13 +1,14 @@
-"""Routing: the interface every prefill and decode strategy implements, and their registry.
+"""Routing: the types every scheduling policy works on, and the hard filters they all share.
 
-Strategies are pure functions of their inputs (DESIGN §7, §11): they read a snapshot of the workers
-(`WorkerView`, what this replica knows from the owners' snapshots and its cache mirror) and a query,
-and return a `Choice`. No I/O, no wall clock, no asyncio and no global random state: every random
+Policies (`app.scheduling.policy`, built from the plugins in `app.scheduling.plugins`) are pure
+functions of their inputs (DESIGN §7, §11): they read a snapshot of the workers (`WorkerView`, what
+this replica knows from the owners' snapshots and its cache mirror) and a query, and return a
+`Choice`. No I/O, no wall clock, no asyncio and no global random state: every random
 decision draws from the `random.Random` the caller passes in. The gateway calls them per request, and
 the discrete-event simulator calls the very same code with its own seeded generator, so a simulated
 run is reproducible and studies the router that production runs.
 
-Determinism contract: the same query, the same worker sequence (order included), the same strategy
+Determinism contract: the same query, the same worker sequence (order included), the same policy
 state (only `round_robin` has any) and the same `rng` state give the same `Choice` and leave `rng` in
 the same state. Ties are broken over the tied workers sorted by id, so for `cost`, `prefix`,
 `least_load` and `kv_headroom` the choice depends on the set of workers, not on the order a snapshot
@@ -17,7 +18,7 @@ Cost: each `choose` is one pass over the workers plus work proportional to the e
 ones, with no sorting of the whole fleet, because the simulator routes over 1,000 workers per request.
 `top_candidates` shrinks the field further for it (see there).
 
-A new strategy is one module under `app/scheduling/strategies/` plus one line in a registry below.
+This module imports no policy or plugin (they import it), so there is no import cycle.
 """
 
 from __future__ import annotations
@@ -25,31 +26,25 @@ from __future__ import annotations
 import math
 import random
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from app.protocol.blocks import hit_blocks_cap
 
 __all__ = [
     "DECODE",
-    "DECODE_STRATEGIES",
-    "DEFAULT_DECODE_STRATEGY",
-    "DEFAULT_PREFILL_STRATEGY",
     "PREFILL",
-    "PREFILL_STRATEGIES",
     "Choice",
     "DecodeQuery",
-    "DecodeStrategy",
     "NoWorker",
     "PrefillQuery",
-    "PrefillStrategy",
     "WorkerView",
     "check_hotspot_queue_len",
+    "current_loads",
+    "decode_headroom",
     "eligible_decode",
     "eligible_prefill",
-    "make_decode_strategy",
-    "make_prefill_strategy",
+    "owed_less_finished",
     "pick_tied",
     "prefill_load",
     "top_candidates",
@@ -66,7 +61,7 @@ _NO_LIMIT = sys.maxsize
 class WorkerView:
     """What a replica knows about one worker, taken from the owner's latest snapshot.
 
-    Frozen so a strategy can never change the snapshot it was handed; slotted because the simulator
+    Frozen so a policy can never change the snapshot it was handed; slotted because the simulator
     holds thousands of them and rebuilds them as loads change.
     """
 
@@ -99,7 +94,7 @@ class PrefillQuery:
     block_size: int
 
     def __post_init__(self) -> None:
-        # Checked once here so strategies can do block arithmetic without guards on the hot path.
+        # Checked once here so plugins can do block arithmetic without guards on the hot path.
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.input_tokens < 0:
@@ -131,7 +126,7 @@ class Choice:
 
     ``hit_tokens`` is the cached prefix the chosen prefill worker is expected to reuse (metrics, and
     the batcher's prediction); ``predicted_ms`` is the prefill alone, which the hand-off script adds
-    to the worker's queued time (0 when the strategy has no formula); ``score`` is what the strategy
+    to the worker's queued time (0 when the policy has no formula); ``score`` is what the policy
     ranked by (cost in ms, load in ms, headroom in tokens, ...); ``reason`` is a short fixed label
     (never free text with numbers) so it can be a metric label.
     """
@@ -158,21 +153,9 @@ class NoWorker(Exception):
         return self.reason
 
 
-class PrefillStrategy(Protocol):
-    name: str
-
-    def choose(self, q: PrefillQuery, workers: Sequence[WorkerView], rng: random.Random) -> Choice: ...
-
-
-class DecodeStrategy(Protocol):
-    name: str
-
-    def choose(self, q: DecodeQuery, workers: Sequence[WorkerView], rng: random.Random) -> Choice: ...
-
-
 # --------------------------------------------------------------------------------------------------
-# Shared pieces. One implementation of the hard filters, so every strategy (and the simulator's
-# pre-filter) agrees on which workers may take a request; strategies only differ in how they rank.
+# Shared pieces. One implementation of the hard filters, so every policy (and the simulator's
+# pre-filter) agrees on which workers may take a request; policies only differ in how they rank.
 
 
 def check_hotspot_queue_len(value: int | None) -> int | None:
@@ -260,6 +243,39 @@ def owed_less_finished(
     return max(0.0, owed_ms)
 
 
+def current_loads(
+    queued_ms: float,
+    owed_ms: float,
+    snap_now_ms: float,
+    overlay: tuple[float, float] | None,
+    snapshot_time: float,
+    finished: list[tuple[float, float, float, float]] | None,
+    stale_before: float,
+    fresh_owed: tuple[float, float] | None = None,
+    now: float = 0.0,
+    ms_per_unit: float = 1.0,
+) -> tuple[float, float]:
+    """A prefill worker's (queued ms, owed ms) as this origin should rank it: the snapshot's values,
+    with the queued time replaced by this origin's own latest hand-off answer (``overlay``: queued
+    ms, when) if that is not older than the snapshot (``snapshot_time``, same clock), and the owed
+    time less this origin's prefills that finished since (`owed_less_finished`; ``finished`` is
+    pruned in place, ``stale_before`` in its fourth field's unit).
+
+    The one computation behind `Pipeline.views` (wall clock in s) and the simulator's views (modelled
+    ms), so a simulated replica ranks workers exactly as a live one does.
+
+    ``fresh_owed`` (owed ms, when): the ledger's owed time as this origin's latest hand-off read it
+    in its round trip; when not older than the snapshot it replaces the snapshot's owed time, aged
+    since (``now`` − when, × ``ms_per_unit`` modelled ms per unit of that clock)."""
+    if overlay is not None and overlay[1] >= snapshot_time:
+        queued_ms = overlay[0]
+    if finished:
+        owed_ms = owed_less_finished(owed_ms, snap_now_ms, finished, stale_before)
+    if fresh_owed is not None and fresh_owed[1] >= snapshot_time:
+        owed_ms = max(0.0, fresh_owed[0] - (now - fresh_owed[1]) * ms_per_unit)
+    return queued_ms, owed_ms
+
+
 def decode_headroom(w: WorkerView) -> int:
     """See `eligible_decode`. A snapshot without a total (an old worker) falls back to free − reserved."""
     if w.kv_total_tokens <= 0:
@@ -277,7 +293,7 @@ def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list
     allocated; the binding one of the two is the headroom, and `kv_total − reserved` is exactly
     what the RESERVE script admits against.
 
-    Every decode strategy fits the request first: a decode worker that runs out of KV mid-stream must
+    Every decode policy fits the request first: a decode worker that runs out of KV mid-stream must
     preempt or fail, which costs far more than any balancing gain. Raises NoWorker.
     """
     need = q.input_tokens + q.max_new_tokens
@@ -314,7 +330,7 @@ def pick_tied(tied: list[int], ws: Sequence[WorkerView], rng: random.Random) -> 
 def top_candidates(
     q: PrefillQuery, workers: Sequence[WorkerView], k: int, hotspot_queue_len: int | None = None
 ) -> list[WorkerView]:
-    """Shrink a large fleet to the workers a load/cache-aware prefill strategy could pick.
+    """Shrink a large fleet to the workers a load/cache-aware prefill policy could pick.
 
     Keeps every eligible worker that would reuse at least one cached block, plus the ``k`` eligible
     workers without a hit that carry the least load (ties by id), in their original order.
@@ -356,54 +372,3 @@ def top_candidates(
     chosen = holders + kept
     chosen.sort()
     return [ws[i] for i in chosen]
-
-
-# --------------------------------------------------------------------------------------------------
-# Registry. The strategy modules import the types above from this module, so these imports must come
-# after them; `app.scheduling.strategies` imports this module first to keep that order whichever
-# module a caller imports first.
-
-from app.scheduling.strategies.cost import CostStrategy  # noqa: E402
-from app.scheduling.strategies.kv_headroom import KvHeadroomStrategy  # noqa: E402
-from app.scheduling.strategies.least_load import DecodeLeastLoad, PrefillLeastLoad  # noqa: E402
-from app.scheduling.strategies.prefix import PrefixStrategy  # noqa: E402
-from app.scheduling.strategies.random_pick import DecodeRandom, PrefillRandom  # noqa: E402
-from app.scheduling.strategies.round_robin import DecodeRoundRobin, PrefillRoundRobin  # noqa: E402
-
-PREFILL_STRATEGIES: dict[str, Callable[..., PrefillStrategy]] = {
-    "cost": CostStrategy,
-    "least_load": PrefillLeastLoad,
-    "round_robin": PrefillRoundRobin,
-    "random": PrefillRandom,
-    "prefix": PrefixStrategy,
-}
-DECODE_STRATEGIES: dict[str, Callable[..., DecodeStrategy]] = {
-    "kv_headroom": KvHeadroomStrategy,
-    "least_load": DecodeLeastLoad,
-    "round_robin": DecodeRoundRobin,
-    "random": DecodeRandom,
-}
-DEFAULT_PREFILL_STRATEGY = "cost"
-DEFAULT_DECODE_STRATEGY = "kv_headroom"
-
-
-def make_prefill_strategy(name: str, **kw: object) -> PrefillStrategy:
-    """Build a prefill strategy by its configured name.
-
-    Every prefill strategy accepts ``formula`` (required by ``cost``; the others use it only to fill
-    ``Choice.predicted_ms`` for the hand-off) and ``hotspot_queue_len``, so a caller can pass the same
-    keywords whatever strategy is configured. An unknown name is a ValueError listing the known ones;
-    an unknown keyword is the constructor's TypeError.
-    """
-    factory = PREFILL_STRATEGIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown prefill strategy {name!r}; known: {', '.join(sorted(PREFILL_STRATEGIES))}")
-    return factory(**kw)
-
-
-def make_decode_strategy(name: str, **kw: object) -> DecodeStrategy:
-    """Build a decode strategy by its configured name; unknown names are a ValueError listing the known."""
-    factory = DECODE_STRATEGIES.get(name)
-    if factory is None:
-        raise ValueError(f"unknown decode strategy {name!r}; known: {', '.join(sorted(DECODE_STRATEGIES))}")
-    return factory(**kw)

@@ -10,8 +10,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from app.clihelp import ClickStyleParser
+from app.config import Settings
 from app.scheduling.batcher import BatcherConfig
-from app.scheduling.routing import PREFILL_STRATEGIES
+from app.scheduling.policy import DECODE, PREFILL, PolicyBook
 from app.sim.config import BATCHING, PROFILES, SimConfig
 from app.sim.peers import PEERS
 from app.sim.run import PolicySpec, prepare_trace, run_simulation, write_run
@@ -20,8 +21,12 @@ from app.traces import TraceError, load_trace, parse_slice
 __all__ = ["build_parser", "main", "parse_policies"]
 
 
-def parse_policies(spec: str, default_batching: str) -> list[PolicySpec]:
-    """``cost,round_robin@direct`` → specs; a name may carry ``@batching`` to override the default."""
+def parse_policies(spec: str, default_batching: str, book: PolicyBook | None = None) -> list[PolicySpec]:
+    """``cost,round_robin@direct`` → specs. A name is a prefill policy of ``book`` (built-in and
+    declared in FLEXLB_POLICIES); ``@batching`` overrides its batching, which is the policy's own
+    when it declares one, else ``default_batching``."""
+    book = book or PolicyBook()
+    known = book.names(PREFILL)
     out: list[PolicySpec] = []
     seen: set[str] = set()
     for raw in spec.split(","):
@@ -29,10 +34,11 @@ def parse_policies(spec: str, default_batching: str) -> list[PolicySpec]:
         if not name:
             continue
         strategy, _, batching = name.partition("@")
-        batching = batching or default_batching
-        if strategy not in PREFILL_STRATEGIES and strategy not in PEERS:
-            known = ", ".join(sorted([*PREFILL_STRATEGIES, *PEERS]))
-            raise ValueError(f"unknown policy {strategy!r}; known: {known}")
+        if strategy not in known and strategy not in PEERS:
+            peers, names = ", ".join(PEERS), ", ".join(known)
+            raise ValueError(f"unknown policy {strategy!r} (peer imitations: {peers}); known: {names}")
+        peer = strategy in PEERS
+        batching = batching or (None if peer else book.get(PREFILL, strategy).batching) or default_batching
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r} in {name!r}; known: {', '.join(BATCHING)}")
         if name in seen:
@@ -62,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = ClickStyleParser(
         prog="flexlb simulate",
         description=(
-            "Discrete-event cluster simulation on a virtual clock: the gateway's real routing strategies, "
+            "Discrete-event cluster simulation on a virtual clock: the gateway's real routing policies, "
             "batcher decisions and predictor drive the workers' real engine core. Trace block ids are "
             "the KV block keys. Writes results.json, summary.md, records.jsonl.gz and PNG plots."
         ),
@@ -76,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--policy",
         default="cost,prefix,least_load,round_robin",
-        help="comma-separated prefill strategies, each optionally NAME@BATCHING (default: all four)",
+        help=(
+            "comma-separated prefill policies (built-in: " + ", ".join(PolicyBook().names(PREFILL)) + "; "
+            "more in FLEXLB_POLICIES), each optionally NAME@BATCHING "
+            "(default: cost,prefix,least_load,round_robin)"
+        ),
     )
     ap.add_argument("--batching", default="window", choices=BATCHING, help="owner batching mode (window)")
     ap.add_argument("--replicas", type=_positive_int, default=1, help="gateway replicas")
@@ -96,9 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-capacity-tokens", type=_positive_int, default=None, help="prefill workers' KV (prefix cache)"
     )
     ap.add_argument("--slo-ttft-ms", type=_positive_float, default=3000.0, help="TTFT SLO for goodput")
-    ap.add_argument(
-        "--decode-strategy", default=None, help="decode strategy (default: FLEXLB_DECODE_STRATEGY)"
-    )
+    ap.add_argument("--decode-strategy", default=None, help="decode policy (default: FLEXLB_DECODE_STRATEGY)")
     ap.add_argument("--poll-interval-ms", type=_positive_float, default=None, help="owner poll interval")
     ap.add_argument("--handoff-latency-ms", type=float, default=1.0, help="origin → owner batcher")
     ap.add_argument("--reply-latency-ms", type=float, default=1.0, help="owner → origin reply")
@@ -124,7 +132,8 @@ def main(argv: list[str]) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        policies = parse_policies(args.policy, args.batching)
+        book = PolicyBook(Settings().policies)
+        policies = parse_policies(args.policy, args.batching, book)
         slice_ = parse_slice(args.slice) if args.slice else None
     except ValueError as exc:
         ap.error(str(exc))
@@ -166,9 +175,7 @@ def main(argv: list[str]) -> int:
         )
         cfg.validate()
         cfg.gateway_formula()
-        from app.scheduling.routing import make_decode_strategy
-
-        make_decode_strategy(cfg.decode_strategy)
+        cfg.policy_book().get(DECODE, cfg.decode_strategy)
     except (ValueError, TypeError) as exc:
         ap.error(str(exc))
     try:

@@ -2,13 +2,14 @@
 
 What runs is the production code, on a virtual clock:
 
-- routing: `app.scheduling.routing` strategies (`make_prefill_strategy`, `make_decode_strategy`) over
+- routing: `app.scheduling.policy` policies (`PolicyBook.build`, the gateway's plugins) over
   `WorkerView` snapshots built the way `app/request/pipeline.py` builds them;
 - batching: one `app.scheduling.batcher.Batcher` per prefill worker (the owner's), with the gateway's
   formula (`app.scheduling.formula`) as its predictor;
 - engines: `workers.engine.prefill.PrefillEngine` (prefix cache = LRU bounded by the real KV capacity)
   and `workers.engine.decode.DecodeEngine`, with `workers.engine.profiles` timing;
-- cache knowledge: the gateway's `CacheMirror` (`app/sim/mirror.py`), fed by cache diffs at each poll.
+- cache knowledge: the gateway's `CacheMirror` (`app/cache/mirror.py`), fed by cache diffs at each poll,
+  with one `SpecIndex` of speculative entries per replica.
 
 Information flow modelled after the live gateway (DESIGN §3, §5):
 
@@ -27,53 +28,49 @@ Determinism: one heap ordered by (time, insertion number), every random draw fro
 from the run's seed, and no iteration over unordered sets where the order could matter, so the same
 inputs give the same records.
 
-Large fleets: above ``full_scan_max`` workers a replica does not hand all views to the strategy.
+Large fleets: above ``full_scan_max`` workers a replica does not hand all views to the policy.
 Prefill candidates are the prefix holders plus a least-loaded shortlist from `top_candidates`
 (recomputed at each snapshot refresh and after every ``candidates`` of its own routings), which
 gives ``cost``, ``prefix`` and ``least_load`` the same best score as the whole fleet while the
 shortlist is fresh; ``round_robin`` gets the next ``candidates`` workers by id after its last choice,
-which is exactly what it would pick from the whole fleet; decode strategies get the best few by their
+which is exactly what it would pick from the whole fleet; decode policies get the best few by their
 own ranking, which cannot go stale between refreshes because decode views only change then. A
-strategy that finds no eligible candidate is retried over the whole fleet.
+policy that finds no eligible candidate is retried over the whole fleet.
+
+Modules: this one holds the event loop, the owners and the workers; `app/sim/replica.py` a replica's
+views, policies and shortlists; `app/sim/outcome.py` the per-request state and records.
 """
 
 from __future__ import annotations
 
 import heapq
-import random
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from app.cache.mirror import CacheMirror
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import FINISH_LENGTH, EngineStatus
-from app.report.records import RequestRecord
 from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.reserve import OutputLengthEstimator
 from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
     PrefillQuery,
-    WorkerView,
-    decode_headroom,
-    make_decode_strategy,
-    make_prefill_strategy,
-    owed_less_finished,
-    top_candidates,
 )
 from app.sim.config import SimConfig
-from app.sim.mirror import SimMirror, SpecIndex
-from app.sim.peers import PEERS, make_peer
+from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
+from app.sim.replica import SimReplica
 from app.traces.model import Trace
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
 from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
 from workers.engine.prefill import PrefillEngine, PrefillRequest
 
-__all__ = ["ClusterSim", "SimOutcome"]
+__all__ = ["ClusterSim", "SimOutcome", "mean_cold_prefill_ms"]
 
 # Event kinds. At equal times the insertion number orders events, so ties are reproducible.
 _ARRIVAL, _HANDOFF, _TIMER, _PENGINE, _DENGINE, _REPLY, _RELEASE, _POLL, _REFRESH = range(9)
@@ -103,60 +100,6 @@ class _SimDecodeEngine(DecodeEngine):
         return []
 
 
-@dataclass
-class SimOutcome:
-    records: list[RequestRecord]
-    flush_reasons: dict[str, int]
-    rejections: dict[str, int]
-    batches: int
-    events: int
-    end_ms: float
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Req:
-    origin: int = 0
-    prefill: int = -1
-    decode: int = -1
-    predicted_ms: float = 0.0
-    reserved: int = 0
-    t_first: float | None = None
-    t_end: float | None = None
-    cached: int = 0
-    batch_size: int | None = None
-    error: str | None = None
-    done: bool = False
-
-
-class _Replica:
-    """One gateway replica's routing state: its copy of the snapshots, overlays and strategies."""
-
-    def __init__(self, idx: int, sim: ClusterSim, policy: str) -> None:
-        cfg = sim.cfg
-        self.idx = idx
-        self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
-        self.pstrat = make_prefill_strategy("cost" if self.peer else policy, formula=sim.formula)
-        self.dstrat = make_decode_strategy(cfg.decode_strategy)
-        self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
-        self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
-        self.p_seen = [-1] * cfg.prefill
-        self.d_seen = [-1] * cfg.decode
-        self.snap_time = -1.0
-        self.overlay: dict[int, tuple[float, float]] = {}
-        self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
-        self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
-        self.spec = SpecIndex(cfg.speculative_ttl_ms)
-        self.pviews: list[WorkerView] = []
-        self.dviews: list[WorkerView] = []
-        self.pool: list[int] | None = None
-        self.routed_since_pool = 0
-        self.dpool: list[int] | None = None
-        self.dband: list[int] | None = None
-        self.band_rng = random.Random(f"{cfg.seed}:band:{idx}")
-
-
 class ClusterSim:
     """One run of one policy over one trace; `run()` returns the per-request records."""
 
@@ -169,6 +112,7 @@ class ClusterSim:
         self.bcfg = batcher
         self.profile = cfg.engine_profile()
         self.formula = cfg.gateway_formula()
+        self.book = cfg.policy_book()
         self.bs = trace.block_size
         np_, nd = cfg.prefill, cfg.decode
         width = max(4, len(str(max(np_, nd) - 1)))
@@ -203,7 +147,7 @@ class ClusterSim:
         self.ledger: list[dict[str, list[float]]] = [{} for _ in range(np_)]  # bid → [pred, start, left]
         self.reserved = [0] * nd
         self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
-        self.mirror = SimMirror(cfg.speculative_ttl_ms)
+        self.mirror = CacheMirror(cfg.speculative_ttl_ms, holders_index=True)
         self.cache_version: list[int | None] = [None] * np_
         # Published snapshots (the owners' last poll) and their versions.
         self.p_pub: list[tuple[Any, ...]] = [(0, 0, 0, 0, 0.0, 0.0, 0.0)] * np_
@@ -212,8 +156,8 @@ class ClusterSim:
         self.d_pub_ver = [0] * nd
         self.p_dirty = [True] * np_
         self.d_dirty = [True] * nd
-        self.replicas = [_Replica(r, self, policy) for r in range(cfg.replicas)]
-        self.reqs = [_Req() for _ in trace.requests]
+        self.replicas = [SimReplica(r, self, policy) for r in range(cfg.replicas)]
+        self.reqs = [ReqState() for _ in trace.requests]
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = 0
         self.now = 0.0
@@ -258,7 +202,7 @@ class ClusterSim:
         # The stack is up and polled before the first request, as after `flexlb up`.
         self._poll()
         for rep in self.replicas:
-            self._refresh(rep)
+            rep.refresh(self.now, self.p_pub, self.p_pub_ver, self.d_pub, self.d_pub_ver)
         self._push(cfg.poll_interval_ms, _POLL)
         for rep in self.replicas:
             self._push(cfg.poll_interval_ms * (1.0 + (rep.idx + 0.5) / cfg.replicas), _REFRESH, rep.idx)
@@ -301,10 +245,10 @@ class ClusterSim:
                 self._push(t + cfg.poll_interval_ms, _POLL)
             elif kind == _REFRESH:
                 rep = self.replicas[a]
-                self._refresh(rep)
+                rep.refresh(self.now, self.p_pub, self.p_pub_ver, self.d_pub, self.d_pub_ver)
                 self._push(t + cfg.poll_interval_ms, _REFRESH, a)
         return SimOutcome(
-            records=self._records(),
+            records=build_records(self.trace, self.reqs, self.pids, self.dids),
             flush_reasons=dict(sorted(self.flushes.items())),
             rejections=dict(sorted(self.rejections.items())),
             batches=self.n_batches,
@@ -325,7 +269,7 @@ class ClusterSim:
         if max_new > 1:
             dq = DecodeQuery(size, self.out_est.reserve(max_new))
             try:
-                d = self._choose_decode(rep, dq)
+                d = rep.choose_decode(dq)
             except NoWorker:
                 self.rejections["decode_no_kv_headroom"] += 1
                 self._fail(i, "no_worker")
@@ -351,14 +295,14 @@ class ClusterSim:
             st.decode = d
             st.reserved = need
         keys = self.trace.full_block_keys(tr)
-        hits = self.mirror.match_fast(keys, rep.spec, self.now) if keys else {}
+        hits = self.mirror.match_fast(keys, self.now, rep.spec) if keys else {}
         q = PrefillQuery(size, hits, self.bs)
         try:
             if rep.peer is not None:
                 waiting = {self.pids[j]: n for j, n in enumerate(self.queue_items)}
                 choice = rep.peer.choose(keys, q, rep.pviews, rep.rng, waiting)
             else:
-                choice = self._choose_prefill(rep, q, hits)
+                choice = rep.choose_prefill(q, hits)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
@@ -396,7 +340,7 @@ class ClusterSim:
         cap = hit_blocks_cap(size, self.bs)
         if keys:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
-        rep.pviews[w] = self._pview(rep, w)
+        rep.pviews[w] = rep.pview(w, self.now)
         rep.routed_since_pool += 1
         # Trace requests name no deadline of their own: held to the cluster SLO (it caps batches),
         # ended late by the owner only when told to, as the live origin does.
@@ -414,45 +358,17 @@ class ClusterSim:
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
 
-    def _choose_prefill(self, rep: _Replica, q: PrefillQuery, hits: dict[str, int]) -> Any:
-        cfg = self.cfg
-        views = rep.pviews
-        n = len(views)
-        if n <= cfg.full_scan_max or rep.pstrat.name == "random":
-            return rep.pstrat.choose(q, views, rep.rng)
-        if rep.pstrat.name == "round_robin":
-            last = getattr(rep.pstrat, "last", None)
-            start = self.pindex[last] + 1 if last is not None else 0
-            cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
-        else:
-            if rep.pool is None or rep.routed_since_pool >= cfg.candidates:
-                self._refresh_pool(rep)
-            idx = set(rep.pool or ())
-            pindex = self.pindex
-            idx.update(pindex[w] for w in hits)
-            cands = [views[j] for j in sorted(idx)]
-        try:
-            return rep.pstrat.choose(q, cands, rep.rng)
-        except NoWorker:
-            return rep.pstrat.choose(q, views, rep.rng)
-
     def _live_load(self, w: int) -> float:
         """What the hand-off script reads in its round trip: the ledger's owed ms now plus the
         queued ms, including every replica's hand-offs since the last snapshot."""
-        owed = 0.0
-        now = self.now
-        for pred, start, _left in self.ledger[w].values():
-            elapsed = now - start if now > start else 0.0
-            if pred > elapsed:
-                owed += pred - elapsed
-        return owed + self.queued_ms[w]
+        ledger = self.ledger[w].values()
+        return owed_ms(((pred, start) for pred, start, _left in ledger), self.now) + self.queued_ms[w]
 
-    def _fresh_pick(self, rep: _Replica, q: PrefillQuery, choice: Any) -> Any:
-        """Power of two choices on fresh load: the strategy's pick and its runner-up (by this
-        replica's possibly stale view) are compared on the shared state as the hand-off round
-        trip reads it, and the request goes where it is predicted to finish first. Other
-        replicas' decisions since the last snapshot are in that state, so replicas stop herding
-        onto the worker that looked idlest to all of them."""
+    def _fresh_pick(self, rep: SimReplica, q: PrefillQuery, choice: Any) -> Any:
+        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
+        the strategy's pick and its runner-up by this replica's possibly stale view are compared
+        on the shared state as a hand-off script would read it, and the request goes where it is
+        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
         views = [v for v in rep.pviews if v.id != choice.worker_id]
         try:
             alt = rep.pstrat.choose(q, views, rep.rng)
@@ -464,74 +380,13 @@ class ClusterSim:
         tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
         return alt if cb < ca - tie else choice
 
-    def _refresh_pool(self, rep: _Replica) -> None:
-        rep.routed_since_pool = 0
-        probe = PrefillQuery(1, {}, self.bs)
-        try:
-            kept = top_candidates(probe, rep.pviews, self.cfg.candidates)
-        except NoWorker:
-            kept = []
-        rep.pool = [self.pindex[v.id] for v in kept]
-
-    def _choose_decode(self, rep: _Replica, q: DecodeQuery) -> int:
-        cfg = self.cfg
-        views = rep.dviews
-        n = len(views)
-        strat = rep.dstrat
-        if n <= cfg.full_scan_max or strat.name == "random":
-            c = strat.choose(q, views, rep.rng)
-            return int(c.worker_id.rsplit("-", 1)[1])
-        if strat.name == "round_robin":
-            last = getattr(strat, "last", None)
-            start = int(last.rsplit("-", 1)[1]) + 1 if last is not None else 0
-            cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
-        else:
-            if rep.dpool is None:
-                self._decode_pool(rep)
-            top, band = rep.dpool or [], rep.dband or []
-            k = cfg.candidates
-            if len(band) > 2 * k:
-                # The strategy draws among near-tied workers at random; a fixed shortlist would
-                # herd a whole refresh interval's requests onto it. A fresh sample of the tie band
-                # per request spreads them as the full-fleet draw does.
-                idx = set(top)
-                idx.update(rep.band_rng.sample(band, 2 * k))
-                cands = [views[j] for j in sorted(idx)]
-            else:
-                cands = [views[j] for j in sorted(set(top) | set(band))]
-        try:
-            c = strat.choose(q, cands, rep.rng)
-        except NoWorker:
-            c = strat.choose(q, views, rep.rng)
-        return int(c.worker_id.rsplit("-", 1)[1])
-
-    def _decode_pool(self, rep: _Replica) -> None:
-        """The best ``candidates`` decode workers by the strategy's own ranking, and the workers tied
-        with the best (kv_headroom: within its tie_pct; least_load: equal key). Decode views only
-        change at a refresh, so this holds until the next one."""
-        views = rep.dviews
-        n = len(views)
-        if rep.dstrat.name == "least_load":
-            keys = [(v.reserved_tokens, v.running) for v in views]
-            order = sorted(range(n), key=lambda j: (keys[j], j))
-            best = keys[order[0]]
-            band = [j for j in range(n) if keys[j] == best]
-        else:  # kv_headroom: most unreserved KV first
-            heads = [decode_headroom(v) for v in views]
-            order = sorted(range(n), key=lambda j: (-heads[j], j))
-            best_h = heads[order[0]]
-            floor = best_h - best_h * float(getattr(rep.dstrat, "tie_pct", 0.0))
-            band = [j for j in range(n) if heads[j] >= floor]
-        rep.dpool = sorted(order[: self.cfg.candidates])
-        rep.dband = band
-
     # ---- owner: batcher decisions and dispatch ---------------------------------------------
     def _decide(self, w: int) -> None:
         b = self.batchers[w]
         if not b.pending:
             return
         while True:
-            d = b.decide(self.now)
+            d = commit_step(b, self.now)
             for p, code in d.failed:
                 if code == "deadline_exceeded":
                     self.rejections["deadline_passed_in_queue"] += 1
@@ -540,7 +395,6 @@ class ClusterSim:
                 api = _ENGINE_TO_API.get(code, code)
                 self._push(self.now + self.cfg.reply_latency_ms, _REPLY, p.payload, (api, None))
             if d.items:
-                b.batch_started(d.items, self.now)
                 self.flushes[d.reason] += 1
                 self._dispatch(w, d.items)
                 continue
@@ -552,9 +406,8 @@ class ClusterSim:
     def _dispatch(self, w: int, items: list[Pending]) -> None:
         self.n_batches += 1
         bid = f"b{self.n_batches}"
-        taken = 0.0
+        taken = committed_ms(items)
         for p in items:
-            taken += p.predicted_ms
             self.queue_items[w] -= 1
             self.reqs[p.payload].batch_size = len(items)
         # commit_batch: the ledger owes the batch's own prediction, not yet started (it owes all
@@ -620,7 +473,7 @@ class ClusterSim:
         ov = rep.overlay.get(w)
         if ov is not None:
             rep.overlay[w] = (max(0.0, ov[0] - st.predicted_ms), ov[1])
-        rep.pviews[w] = self._pview(rep, w)
+        rep.pviews[w] = rep.pview(w, self.now)
         tr = self.trace.requests[i]
         max_new = max(1, tr.output_len)
         if max_new == 1:
@@ -650,7 +503,7 @@ class ClusterSim:
                     self._fail(i, "worker_error")
         self.d_dirty[d] = True
 
-    def _release_reservation(self, st: _Req) -> None:
+    def _release_reservation(self, st: ReqState) -> None:
         if st.reserved and st.decode >= 0:
             self.reserved[st.decode] -= st.reserved
             self.d_dirty[st.decode] = True
@@ -682,11 +535,7 @@ class ClusterSim:
                 continue
             self.p_dirty[w] = False
             kv = eng.kv_view()
-            owed = 0.0
-            for pred, start, _left in ledger.values():
-                elapsed = now - start if now > start else 0.0
-                if pred > elapsed:
-                    owed += pred - elapsed
+            owed = owed_ms(((pred, start) for pred, start, _left in ledger.values()), now)
             queued_batches = sum(1 for b in eng.live_view() if b["phase"] == "queued")
             snap = (
                 kv["kv_total_tokens"],
@@ -716,114 +565,3 @@ class ClusterSim:
             if dsnap != self.d_pub[d]:
                 self.d_pub[d] = dsnap
                 self.d_pub_ver[d] += 1
-
-    def _refresh(self, rep: _Replica) -> None:
-        rep.snap_time = self.now
-        first = not rep.pviews
-        if first:
-            rep.pviews = [self._pview(rep, w) for w in range(len(self.pids))]
-            rep.dviews = [self._dview(rep, d) for d in range(len(self.dids))]
-        changed = set(rep.overlay)  # the refresh makes every overlay older than the snapshot
-        rep.overlay.clear()
-        rep.fresh_owed.clear()
-        for w, ver in enumerate(self.p_pub_ver):
-            if ver != rep.p_seen[w]:
-                rep.p_seen[w] = ver
-                rep.psnap[w] = self.p_pub[w]
-                changed.add(w)
-            elif rep.finished.get(w):
-                rep.psnap[w] = self.p_pub[w]
-                changed.add(w)
-        for w in sorted(changed):
-            rep.pviews[w] = self._pview(rep, w)
-        dchanged = False
-        for d, ver in enumerate(self.d_pub_ver):
-            if ver != rep.d_seen[d]:
-                rep.d_seen[d] = ver
-                rep.dsnap[d] = self.d_pub[d]
-                rep.dviews[d] = self._dview(rep, d)
-                dchanged = True
-        if dchanged or first:
-            rep.dpool = None
-        rep.pool = None
-        rep.spec.expire(self.now)
-
-    def _pview(self, rep: _Replica, w: int) -> WorkerView:
-        """`Pipeline.views("prefill")` for one worker, from this replica's copy of the snapshot."""
-        s = rep.psnap[w]
-        queued = s[4]
-        ov = rep.overlay.get(w)
-        if ov is not None and ov[1] >= rep.snap_time:
-            queued = ov[0]
-        owed = s[5]
-        done = rep.finished.get(w)
-        if done:  # as Pipeline._owed: our prefills that finished since the snapshot
-            owed = owed_less_finished(owed, s[6], done, self.now - 5000.0)
-        fresh = rep.fresh_owed.get(w)
-        if fresh is not None and fresh[1] >= rep.snap_time:  # as Pipeline.views: aged since read
-            owed = max(0.0, fresh[0] - (self.now - fresh[1]))
-        return WorkerView(
-            id=self.pids[w],
-            role="prefill",
-            up=True,
-            kv_total_tokens=s[0],
-            kv_free_tokens=s[1],
-            kv_evictable_tokens=s[2],
-            queue_len=s[3],
-            queued_ms=queued,
-            owed_ms=owed,
-        )
-
-    def _dview(self, rep: _Replica, d: int) -> WorkerView:
-        s = rep.dsnap[d]
-        return WorkerView(
-            id=self.dids[d],
-            role="decode",
-            up=True,
-            kv_total_tokens=s[0],
-            kv_free_tokens=s[1],
-            reserved_tokens=s[2],
-            running=s[3],
-        )
-
-    # ---- results ----------------------------------------------------------------------------
-    def _records(self) -> list[RequestRecord]:
-        out: list[RequestRecord] = []
-        for tr, st in zip(self.trace.requests, self.reqs, strict=True):
-            max_new = max(1, tr.output_len)
-            ttft = e2e = tpot = None
-            if st.error is None and st.t_first is not None and st.t_end is not None:
-                ttft = st.t_first - tr.arrival_ms
-                e2e = st.t_end - tr.arrival_ms
-                if max_new > 1:
-                    tpot = (st.t_end - st.t_first) / (max_new - 1)
-            elif st.error is None:
-                st.error = "unfinished"
-            out.append(
-                RequestRecord(
-                    request_id=f"r{tr.index}",
-                    arrival_ms=tr.arrival_ms,
-                    input_tokens=tr.input_len,
-                    output_tokens=max_new,
-                    ttft_ms=ttft,
-                    tpot_ms=tpot,
-                    e2e_ms=e2e,
-                    error=st.error,
-                    cached_tokens=st.cached if st.error is None else 0,
-                    prefill_worker=self.pids[st.prefill] if st.prefill >= 0 else None,
-                    decode_worker=self.dids[st.decode] if st.decode >= 0 else None,
-                    batch_size=st.batch_size,
-                )
-            )
-        return out
-
-
-def mean_cold_prefill_ms(trace: Trace, cfg: SimConfig) -> float:
-    """Mean modelled time of each request's prefill alone, with no cache hit: the denominator of the
-    capacity estimate behind ``--load``."""
-    prof = cfg.engine_profile()
-    limit = min(prof.kv_capacity_tokens, prof.max_context_tokens)
-    vals = [
-        prof.prefill_batch_ms([BatchItem(r.input_len, 0)]) for r in trace.requests if 0 < r.input_len <= limit
-    ]
-    return sum(vals) / len(vals) if vals else 0.0

@@ -7,18 +7,22 @@ gateway as it is configured unless the command line says otherwise.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from app.config import Settings
 from app.scheduling.admission import AdmissionConfig
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, UPSTREAM_FITTED_FORMULA, Formula, compile_formula
+from app.scheduling.policy import BATCHING_MODES, PolicyBook
+from app.scheduling.policy import batching_config as batcher_config
 from workers.engine.profiles import EngineProfile, formula_profile, get_profile
 
 __all__ = ["BATCHING", "PROFILES", "SimConfig", "batcher_config", "engine_profile", "gateway_formula"]
 
 PROFILES = ("llama3.1-8b-h100", "fitted")
-BATCHING = ("fixed_window", "slo", "direct", "window")
+BATCHING = BATCHING_MODES
 
 
 def engine_profile(name: str, kv_capacity_tokens: int | None = None) -> EngineProfile:
@@ -39,23 +43,6 @@ def gateway_formula(profile: str, override: str | None) -> Formula:
     return compile_formula(UPSTREAM_FITTED_FORMULA if profile == "fitted" else DEFAULT_PREFILL_FORMULA)
 
 
-def batcher_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | None = None) -> BatcherConfig:
-    """The owner's batcher knobs for one batching mode (the live defaults otherwise)."""
-    b = base or BatcherConfig()
-    if batching == "fixed_window":
-        cfg = replace(b, algorithm="fixed_window", mode="batch")
-    elif batching == "slo":
-        cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
-    elif batching == "window":
-        cfg = replace(b, algorithm="window", mode="batch", slo_ttft_ms=slo_ttft_ms)
-    elif batching == "direct":
-        cfg = replace(b, mode="direct")
-    else:
-        raise ValueError(f"unknown batching {batching!r}; known: {', '.join(BATCHING)}")
-    cfg.validate()
-    return cfg
-
-
 def _settings() -> Settings:
     return Settings()
 
@@ -71,8 +58,11 @@ class SimConfig:
     kv_capacity_tokens: int | None = None  # per prefill worker (its prefix cache); None → the profile's
     slo_ttft_ms: float = 3000.0
     decode_strategy: str = field(default_factory=lambda: _settings().decode_strategy)
+    # Policies declared in the settings (FLEXLB_POLICIES), on top of the built-in ones.
+    policies: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: _settings().policies)
     poll_interval_ms: float = field(default_factory=lambda: float(_settings().poll_interval_ms))
     speculative_ttl_ms: float = field(default_factory=lambda: float(_settings().speculative_ttl_ms))
+    speculative_max_entries: int = field(default_factory=lambda: _settings().speculative_max_entries)
     max_queue_len: int = field(default_factory=lambda: _settings().max_queue_len)
     # Origin → owner: the hand-off stream append plus the owner's blocking read (Redis on loopback).
     handoff_latency_ms: float = 1.0
@@ -103,6 +93,10 @@ class SimConfig:
         if self.candidates < 1:
             raise ValueError("candidates must be >= 1")
         self.admission.validate()
+
+    def policy_book(self) -> PolicyBook:
+        """The policies a run may name: built-in plus declared (ValueError if a declared one is bad)."""
+        return PolicyBook(self.policies)
 
     def gateway_formula(self) -> Formula:
         return gateway_formula(self.profile, self.formula or _settings().prefill_time_formula)

@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from app.state.keys import Keys
 from app.state.store import StateStore
+from app.state.text import to_str
 
 GROUP = "owner"
 REPLY_MAXLEN = 10_000
@@ -25,10 +26,6 @@ def pack_tokens(ids: Any) -> bytes:
 
 def unpack_tokens(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4")
-
-
-def s(x: Any) -> str:
-    return x.decode() if isinstance(x, bytes) else str(x)
 
 
 class Handoff:
@@ -49,13 +46,13 @@ class Handoff:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
         worker's queued predicted ms after this call, its ledger's owed ms now). `meta` travels
         as one JSON field, the token ids as one binary field."""
-        res = await self.store._run(
+        res = await self.store.run_script(
             "handoff",
             [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)],
             [max_len, f"{predicted_ms:.6f}", json.dumps(meta, separators=(",", ":")), ids, f"{time_scale:g}"],
         )
-        entry = s(res[0])
-        return (None if entry == "-1" else entry), float(s(res[1])), float(s(res[2]))
+        entry = to_str(res[0])
+        return (None if entry == "-1" else entry), float(to_str(res[1])), float(to_str(res[2]))
 
     async def ensure_group(self, wid: str) -> None:
         """The owners' consumer group; created from the stream's start so nothing queued before
@@ -67,14 +64,8 @@ class Handoff:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def take(self, wid: str, predicted_ms: float) -> float:
-        res = await self.store._run(
-            "take", [self.keys.queue(wid), self.keys.queued_ms(wid)], [f"{predicted_ms:.6f}"]
-        )
-        return float(s(res))
-
     async def settle_ack(self, wid: str, batch_id: str, request_id: str, entry_id: str) -> bool:
-        res = await self.store._run(
+        res = await self.store.run_script(
             "settle_ack",
             [self.keys.ledger(wid), self.keys.tombstones(wid), self.keys.queue(wid)],
             [batch_id, request_id, self.store.settled_batch_ttl_ms, GROUP, entry_id],
@@ -104,11 +95,8 @@ class Handoff:
             entry_id,
         ]
         xadd = ["XADD", self.keys.replies(origin), "MAXLEN", "~", REPLY_MAXLEN, "*", *flat]
-        sent, settled = await self.store.execute([xadd, settle])
-        if isinstance(sent, ResponseError):
-            raise sent
-        if isinstance(settled, ResponseError):
-            if not isinstance(settled, NoScriptError):
-                raise settled
-            return await self.settle_ack(wid, batch_id, request_id, entry_id)
+        sent, settled = await self.store.execute_scripts([xadd, settle])
+        for r in (sent, settled):
+            if isinstance(r, ResponseError):
+                raise r
         return int(settled) == 1

@@ -41,11 +41,6 @@ class Keys:
         return f"{self.prefix}:workers"
 
     @property
-    def registry_events(self) -> str:
-        """Pub/sub channel: worker registry or runtime config changed (payload: what)."""
-        return f"{self.prefix}:events"
-
-    @property
     def config(self) -> str:
         """HASH of runtime config (strategies, formula, batcher knobs) + `version`."""
         return f"{self.prefix}:config"

@@ -279,15 +279,6 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 """
 )
 
-# KEYS: queue STREAM, queued_ms STRING; ARGV: predicted_ms → queued_ms after taking an entry off.
-# Never below zero: a rebuild or a lost hand-off must not leave a negative queue behind.
-TAKE = (
-    _ADD_QUEUED_MS
-    + """
-return add_queued_ms(-tonumber(ARGV[1]))
-"""
-)
-
 # KEYS: ledger, tombstones, queue; ARGV: batch_id, request_id, ttl, group, entry_id.
 # Settles one member and acknowledges + deletes its hand-off entry in one step: a settled entry
 # never lingers in the stream (DESIGN §5 "streams stay bounded").
@@ -303,7 +294,6 @@ end
 
 ALL: dict[str, str] = {
     "handoff": HANDOFF,
-    "take": TAKE,
     "settle_ack": SETTLE_ACK,
     "ensure_cluster_epoch": ENSURE_CLUSTER_EPOCH,
     "reserve": RESERVE,

@@ -27,11 +27,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 
 from app.state import scripts
 from app.state.keys import Keys
 from app.state.resp import RespConnection
+from app.state.scripting import run_scripts
+from app.state.text import to_str as _s
 
 # ---- request lifecycle ------------------------------------------------------------------------
 #: Non-terminal states in order; a transition must move strictly forward (skipping is allowed).
@@ -59,10 +61,6 @@ class FencedOut(Exception):
         self.current = current
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes | bytearray) else str(v)
-
-
 def _field(v: Any) -> str | bytes:
     """Encode one hash value: strings and bytes as they are, numbers as text, anything else as JSON."""
     if isinstance(v, str | bytes):
@@ -81,6 +79,13 @@ def _flatten(fields: Mapping[str, Any] | None, reserved: frozenset[str]) -> list
             raise ValueError(f"field {k!r} is reserved")
         out += [k, _field(v)]
     return out
+
+
+def request_fields(fields: Mapping[str, Any] | None) -> list[str | bytes]:
+    """A request record's extra fields as flat HSET arguments, refusing the ones the lifecycle
+    scripts own (state, origin, timestamps, outcome): for callers that build the create-request
+    EVALSHA into their own round trip (the origin's record + hand-off pipeline)."""
+    return _flatten(fields, _REQUEST_RESERVED)
 
 
 class StateStore:
@@ -114,31 +119,23 @@ class StateStore:
         #: Client-issued Redis commands so far (exported as `flexlb_redis_commands_total`).
         self.commands_total = 0
         self._scripts = {name: redis.register_script(src) for name, src in scripts.ALL.items()}
+        self._sources = {str(sc.sha): str(sc.script) for sc in self._scripts.values()}
 
     # ---- plumbing ---------------------------------------------------------------------------
-    async def _run(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        """One EVALSHA of a registered script. After NOSCRIPT (the server restarted), SCRIPT LOAD and retry.
+    async def run_script(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One EVALSHA of a registered script; after NOSCRIPT (the server restarted), SCRIPT LOAD and
+        retry (`scripting.run_scripts`). An error reply is raised. The reload's two commands show up
+        in `commands_total`."""
+        cmd = ["EVALSHA", self._scripts[name].sha, len(keys), *keys, *args]
+        (res,) = await self.execute_scripts([cmd])
+        if isinstance(res, ResponseError):
+            raise res
+        return res
 
-        The registered Script carries its sha and source. We issue the commands ourselves, and
-        not through `Script.__call__`, so that the reload shows up in `commands_total`.
-        """
-        script = self._scripts[name]
-        self.commands_total += 1
-        if self.fast is not None:
-            cmd = ["EVALSHA", script.sha, len(keys), *keys, *args]
-            (res,) = await self.fast.pipeline([cmd])
-            if isinstance(res, NoScriptError):
-                self.commands_total += 2
-                res = (await self.fast.pipeline([["SCRIPT", "LOAD", script.script], cmd]))[1]
-            if isinstance(res, ResponseError):
-                raise res
-            return res
-        try:
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            self.commands_total += 2
-            await self.redis.script_load(script.script)
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+    async def execute_scripts(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+        """`execute`, and the EVALSHA calls answered NOSCRIPT loaded and rerun once (just those:
+        the other commands of the round trip are not repeated). Error replies stay in place."""
+        return await run_scripts(self.execute, cmds, self._sources)
 
     async def execute(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
         """Raw commands in one round trip, replies in order; error replies are returned in place,
@@ -168,7 +165,7 @@ class StateStore:
         `created_now` is True after startup, Redis came back empty, and the replica rebuilds
         (consumer groups, leases, resync; DESIGN §6).
         """
-        res = await self._run("ensure_cluster_epoch", [self.keys.cluster_epoch], [secrets.token_hex(8)])
+        res = await self.run_script("ensure_cluster_epoch", [self.keys.cluster_epoch], [secrets.token_hex(8)])
         return _s(res[0]), int(res[1]) == 1
 
     # ---- decode reservations ----------------------------------------------------------------
@@ -183,7 +180,7 @@ class StateStore:
             raise ValueError("request id '_total' is reserved")
         if tokens < 0:
             raise ValueError("tokens must be ≥ 0")
-        res = await self._run(
+        res = await self.run_script(
             "reserve", [self.keys.reservations(wid)], [request_id, int(tokens), int(capacity_tokens)]
         )
         return int(res) in (1, 2)
@@ -193,7 +190,7 @@ class StateStore:
 
         A rollback of a failed hand-off is the same call.
         """
-        return int(await self._run("release", [self.keys.reservations(wid)], [request_id])) == 1
+        return int(await self.run_script("release", [self.keys.reservations(wid)], [request_id])) == 1
 
     async def reserved_total(self, wid: str) -> int:
         self.commands_total += 1
@@ -242,7 +239,7 @@ class StateStore:
             },
             separators=(",", ":"),
         )[:-1]
-        res = await self._run(
+        res = await self.run_script(
             "commit_batch",
             [
                 self.keys.owner_lease(wid),
@@ -262,7 +259,7 @@ class StateStore:
 
         When the batch's last member is settled, the entry goes and its id is tombstoned.
         """
-        res = await self._run(
+        res = await self.run_script(
             "settle",
             [self.keys.ledger(wid), self.keys.tombstones(wid)],
             [batch_id, request_id, self.settled_batch_ttl_ms],
@@ -273,19 +270,16 @@ class StateStore:
         """Move a committed batch's `start_ms` to where the engine really started it (the owner
         learns it from the worker's `accepted` and from the end of the batch ahead). Only that
         field changes; a batch already settled is left alone and False comes back."""
-        return (
-            int(
-                await self._run("anchor_batch", [self.keys.ledger(wid)], [batch_id, f"{float(start_ms):.3f}"])
-            )
-            == 1
-        )
+        args = [batch_id, f"{float(start_ms):.3f}"]
+        res = await self.run_script("anchor_batch", [self.keys.ledger(wid)], args)
+        return int(res) == 1
 
     async def settle_batch(self, wid: str, batch_id: str) -> int:
         """Settle every remaining member of a batch at once and return how many there were.
 
         0 means the batch was not in the ledger.
         """
-        res = await self._run(
+        res = await self.run_script(
             "settle_batch",
             [self.keys.ledger(wid), self.keys.tombstones(wid)],
             [batch_id, self.settled_batch_ttl_ms],
@@ -298,31 +292,13 @@ class StateStore:
         raw = await self.redis.hgetall(self.keys.ledger(wid))
         return {_s(k): json.loads(_s(v)) for k, v in raw.items()}
 
-    async def owed_ms(self, wid: str, now_ms: float) -> float:
-        """Predicted prefill time the worker still owes for committed batches, at `now_ms`.
-
-        For each batch: `max(0, predicted_ms - max(0, now_ms - start_ms))`. A batch that has not
-        started yet (`start_ms` in the future) owes its whole `predicted_ms`. Its wait is already
-        counted in the batches ahead of it, so it is not added a second time.
-
-        The choice made here: a batch owes its WHOLE time until its last member is settled, and
-        not a share per member. A batch is one forward pass. Settling (or cancelling) some members
-        early does not make the pass on the engine any shorter.
-        """
-        ledger = await self.read_ledger(wid)
-        total = 0.0
-        for b in ledger.values():
-            elapsed = max(0.0, now_ms - float(b.get("start_ms", 0.0)))
-            total += max(0.0, float(b.get("predicted_ms", 0.0)) - elapsed)
-        return total
-
     async def tombstone(self, wid: str, some_id: str, ttl_ms: int) -> None:
         """Mark a request or batch id as dead on `wid` for `ttl_ms`, so the commit script drops it.
 
         An existing tombstone is only extended, never shortened. Expired tombstones are purged by
         this script and by the commit script, using the server's clock.
         """
-        await self._run("tombstone", [self.keys.tombstones(wid)], [some_id, max(1, math.ceil(ttl_ms))])
+        await self.run_script("tombstone", [self.keys.tombstones(wid)], [some_id, max(1, math.ceil(ttl_ms))])
 
     # ---- worker snapshot --------------------------------------------------------------------
     async def write_snapshot(self, wid: str, epoch: str, seq: int, fields: Mapping[str, Any]) -> bool:
@@ -334,7 +310,7 @@ class StateStore:
         before the restart cannot overwrite the new view.
         """
         args: list[Any] = [epoch, int(seq), self.retired_epochs, *_flatten(fields, _SNAPSHOT_RESERVED)]
-        return int(await self._run("write_snapshot", [self.keys.snapshot(wid)], args)) == 1
+        return int(await self.run_script("write_snapshot", [self.keys.snapshot(wid)], args)) == 1
 
     async def update_snapshot_fields(self, wid: str, fields: Mapping[str, Any]) -> None:
         """Merge fields derived by the owner itself (e.g. `health`), with no epoch/seq check.
@@ -363,7 +339,7 @@ class StateStore:
     ) -> bool:
         """Create the lifecycle record in state `queued`. Returns False, changing nothing, if it exists."""
         args = [origin, *_flatten(fields, _REQUEST_RESERVED)]
-        return int(await self._run("create_request", [self.keys.request(request_id)], args)) == 1
+        return int(await self.run_script("create_request", [self.keys.request(request_id)], args)) == 1
 
     async def transition(
         self,
@@ -383,7 +359,7 @@ class StateStore:
         """
         cmd = self.transition_cmd(request_id, to_state, fields, outcome=outcome)
         key, args = cmd[3:4], cmd[4:]  # EVALSHA <sha> 1 <key> <args...>
-        return int(await self._run("transition", key, args)) == 1
+        return int(await self.run_script("transition", key, args)) == 1
 
     def transition_cmd(
         self,

@@ -1,0 +1,1 @@
+"""Pickers: turn the candidates' utilities into one choice. See README.md."""

@@ -1,0 +1,1 @@
+"""Scorers: one raw value per candidate with a declared sense (min or max). See README.md."""

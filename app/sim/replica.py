@@ -1,0 +1,217 @@
+"""One simulated gateway replica: its copy of the owners' snapshots, its overlays and speculative
+cache entries, its policies, and the candidate shortlists it routes large fleets over.
+
+Views are built as the live gateway builds them (`routing.current_loads`, as `Pipeline.views`); the
+shortlists are the simulator's own speed-up and are described in `app/sim/cluster.py`.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any
+
+from app.cache.mirror import SpecIndex
+from app.scheduling.policy import DECODE, PREFILL
+from app.scheduling.routing import (
+    Choice,
+    DecodeQuery,
+    NoWorker,
+    PrefillQuery,
+    WorkerView,
+    current_loads,
+    top_candidates,
+)
+from app.sim.peers import PEERS, make_peer
+
+if TYPE_CHECKING:
+    from app.sim.cluster import ClusterSim
+
+__all__ = ["SimReplica"]
+
+
+class SimReplica:
+    """One gateway replica's routing state: its copy of the snapshots, overlays and policies."""
+
+    def __init__(self, idx: int, sim: ClusterSim, policy: str) -> None:
+        cfg = sim.cfg
+        self.cfg = cfg
+        self.bs = sim.bs
+        self.pids = sim.pids
+        self.dids = sim.dids
+        self.pindex = sim.pindex
+        self.idx = idx
+        self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
+        # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
+        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
+        self.pstrat = sim.book.build(PREFILL, "cost" if self.peer else policy, sim.formula)
+        self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
+        self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
+        self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
+        self.p_seen = [-1] * cfg.prefill
+        self.d_seen = [-1] * cfg.decode
+        self.snap_time = -1.0
+        self.overlay: dict[int, tuple[float, float]] = {}
+        self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
+        self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
+        self.spec = SpecIndex(cfg.speculative_ttl_ms, cfg.speculative_max_entries)
+        self.pviews: list[WorkerView] = []
+        self.dviews: list[WorkerView] = []
+        self.pool: list[int] | None = None
+        self.routed_since_pool = 0
+        self.dpool: list[int] | None = None
+        self.dband: list[int] | None = None
+        self.band_rng = random.Random(f"{cfg.seed}:band:{idx}")
+
+    def choose_prefill(self, q: PrefillQuery, hits: dict[str, int]) -> Choice:
+        """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
+        cfg = self.cfg
+        views = self.pviews
+        n = len(views)
+        picker = self.pstrat.picker
+        if n <= cfg.full_scan_max or picker.name == "random":
+            return self.pstrat.choose(q, views, self.rng)
+        if picker.name == "round_robin":
+            last = getattr(picker, "last", None)
+            start = self.pindex[last] + 1 if last is not None else 0
+            cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
+        else:
+            if self.pool is None or self.routed_since_pool >= cfg.candidates:
+                self._refresh_pool()
+            idx = set(self.pool or ())
+            pindex = self.pindex
+            idx.update(pindex[w] for w in hits)
+            cands = [views[j] for j in sorted(idx)]
+        try:
+            return self.pstrat.choose(q, cands, self.rng)
+        except NoWorker:
+            return self.pstrat.choose(q, views, self.rng)
+
+    def _refresh_pool(self) -> None:
+        self.routed_since_pool = 0
+        probe = PrefillQuery(1, {}, self.bs)
+        try:
+            kept = top_candidates(probe, self.pviews, self.cfg.candidates)
+        except NoWorker:
+            kept = []
+        self.pool = [self.pindex[v.id] for v in kept]
+
+    def choose_decode(self, q: DecodeQuery) -> int:
+        """Index of the decode policy's choice, over a shortlist on a large fleet."""
+        cfg = self.cfg
+        views = self.dviews
+        n = len(views)
+        strat = self.dstrat
+        picker = strat.picker
+        if n <= cfg.full_scan_max or picker.name == "random":
+            c = strat.choose(q, views, self.rng)
+            return int(c.worker_id.rsplit("-", 1)[1])
+        if picker.name == "round_robin":
+            last = getattr(picker, "last", None)
+            start = int(last.rsplit("-", 1)[1]) + 1 if last is not None else 0
+            cands = [views[(start + j) % n] for j in range(min(cfg.candidates, n))]
+        else:
+            if self.dpool is None:
+                self._decode_pool()
+            top, band = self.dpool or [], self.dband or []
+            k = cfg.candidates
+            if len(band) > 2 * k:
+                # The strategy draws among near-tied workers at random; a fixed shortlist would
+                # herd a whole refresh interval's requests onto it. A fresh sample of the tie band
+                # per request spreads them as the full-fleet draw does.
+                idx = set(top)
+                idx.update(self.band_rng.sample(band, 2 * k))
+                cands = [views[j] for j in sorted(idx)]
+            else:
+                cands = [views[j] for j in sorted(set(top) | set(band))]
+        try:
+            c = strat.choose(q, cands, self.rng)
+        except NoWorker:
+            c = strat.choose(q, views, self.rng)
+        return int(c.worker_id.rsplit("-", 1)[1])
+
+    def _decode_pool(self) -> None:
+        """The best ``candidates`` decode workers by the policy's own ranking, and the workers tied
+        with the best (`Policy.rank_decode`: kv_headroom within its tie_pct, least_load equal on
+        reserved and running). Decode views only change at a refresh, so this holds until the next."""
+        order, band = self.dstrat.rank_decode(self.dviews)
+        self.dpool = sorted(order[: self.cfg.candidates])
+        self.dband = band
+
+    def refresh(
+        self,
+        now: float,
+        p_pub: list[tuple[Any, ...]],
+        p_pub_ver: list[int],
+        d_pub: list[tuple[Any, ...]],
+        d_pub_ver: list[int],
+    ) -> None:
+        """Take the owners' latest published snapshots (``*_pub``, versioned by ``*_pub_ver``), as
+        the live replica's refresh loop does, drop overlays the snapshot supersedes, rebuild the
+        views that changed and invalidate the shortlists."""
+        self.snap_time = now
+        first = not self.pviews
+        if first:
+            self.pviews = [self.pview(w, now) for w in range(len(self.pids))]
+            self.dviews = [self.dview(d) for d in range(len(self.dids))]
+        changed = set(self.overlay)  # the refresh makes every overlay older than the snapshot
+        self.overlay.clear()
+        self.fresh_owed.clear()
+        for w, ver in enumerate(p_pub_ver):
+            if ver != self.p_seen[w]:
+                self.p_seen[w] = ver
+                self.psnap[w] = p_pub[w]
+                changed.add(w)
+            elif self.finished.get(w):
+                self.psnap[w] = p_pub[w]
+                changed.add(w)
+        for w in sorted(changed):
+            self.pviews[w] = self.pview(w, now)
+        dchanged = False
+        for d, ver in enumerate(d_pub_ver):
+            if ver != self.d_seen[d]:
+                self.d_seen[d] = ver
+                self.dsnap[d] = d_pub[d]
+                self.dviews[d] = self.dview(d)
+                dchanged = True
+        if dchanged or first:
+            self.dpool = None
+        self.pool = None
+        self.spec.expire(now)
+
+    def pview(self, w: int, now: float) -> WorkerView:
+        """`Pipeline.views("prefill")` for one worker, from this replica's copy of the snapshot."""
+        s = self.psnap[w]
+        queued, owed = current_loads(
+            s[4],
+            s[5],
+            s[6],
+            self.overlay.get(w),
+            self.snap_time,
+            self.finished.get(w),
+            now - 5000.0,
+            self.fresh_owed.get(w),
+            now,
+        )
+        return WorkerView(
+            id=self.pids[w],
+            role="prefill",
+            up=True,
+            kv_total_tokens=s[0],
+            kv_free_tokens=s[1],
+            kv_evictable_tokens=s[2],
+            queue_len=s[3],
+            queued_ms=queued,
+            owed_ms=owed,
+        )
+
+    def dview(self, d: int) -> WorkerView:
+        s = self.dsnap[d]
+        return WorkerView(
+            id=self.dids[d],
+            role="decode",
+            up=True,
+            kv_total_tokens=s[0],
+            kv_free_tokens=s[1],
+            reserved_tokens=s[2],
+            running=s[3],
+        )

@@ -1,0 +1,215 @@
+"""The gateway-overhead benchmark's cluster: its workers, gateway processes and Redis (see
+bench/gateway_overhead.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _harness import (
+    ROOT,
+    Proc,
+    console,
+    r3,
+    start_workers,
+    wait_until,
+)
+
+from app.netports import free_port
+
+PROMPT_TOKENS = 1000
+MAX_NEW_TOKENS = 4
+TARGETS = {
+    "origin_p50_ms": 1.0,
+    "origin_p99_ms": 5.0,
+    "handoff_p50_ms": 2.0,
+    "redis_cmds_per_req": 12.0,
+}
+WORKER_ARGS = ["--profile", "formula", "--formula", "0", "--time-scale", "0.001"]
+# The KV handle TTL is in *modelled* ms: at time scale 0.001 the default 30,000 ms would be 30 wall
+# ms, and any queueing under load would expire the KV before decode fetches it (a re-prefill, i.e.
+# noise). 10,000,000 modelled ms = 10 wall s; decode fetches (and frees) it long before that.
+KV_TTL_ARGS = ["--kv-handle-ttl-ms", "10000000"]
+
+
+def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    """`wait_until`, an HTTP error or unparsable answer counting as "not yet"."""
+    return wait_until(cond, timeout, what, interval, ok=(httpx.HTTPError, ValueError))
+
+
+def start_gateway_workers(roles: Sequence[str], log_dir: Path) -> list[Proc]:
+    """Workers at zero modelled time (formula 0, time scale 0.001), so the figures are the gateway's."""
+    return start_workers([(r, [*WORKER_ARGS, *KV_TTL_ARGS]) for r in roles], log_dir)
+
+
+@dataclass
+class Gateway:
+    proc: Proc
+    port: int
+    replica_id: str
+    token: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str, admin: bool = False, timeout: float = 5.0) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"} if admin else {}
+        return httpx.get(self.url + path, headers=headers, timeout=timeout)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=timeout)
+
+    def put(self, path: str, body: dict[str, Any], timeout: float = 5.0) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.put(self.url + path, json=body, headers=headers, timeout=timeout)
+
+    def stats(self, reset: bool = False) -> dict[str, Any]:
+        r = self.get(f"/admin/stats?reset={'true' if reset else 'false'}", admin=True, timeout=10.0)
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
+
+
+def start_gateway(
+    log_dir: Path, redis_url: str, cluster: str, replica_id: str, token: str, log_level: str
+) -> Gateway:
+    """`flexlb gateway` with no workers; returns once /healthz answers (bounded)."""
+    port = free_port()
+    log_path = log_dir / f"{replica_id}.log"
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "FLEXLB_REDIS_URL"},
+        "FLEXLB_CLUSTER": cluster,
+        "FLEXLB_ADMIN_TOKEN": token,
+        "FLEXLB_REPLICA_ID": replica_id,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "gateway",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--redis-url",
+        redis_url,
+        "--log-level",
+        log_level,
+    ]
+    with open(log_path, "wb") as out:
+        popen = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    gw = Gateway(Proc(f"gateway {replica_id}", popen, log_path), port, replica_id, token)
+    deadline = time.monotonic() + 45
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(f"gateway exited: {gw.proc.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(gw.url + "/healthz", timeout=1).status_code == 200:
+                return gw
+        time.sleep(0.1)
+    gw.proc.stop()
+    raise RuntimeError(f"gateway did not start: {gw.proc.log_tail()}")
+
+
+def pick_replica_ids(worker_ids: Sequence[str]) -> tuple[str, str]:
+    """Two replica ids for which rendezvous hashing gives each one prefill and one decode worker,
+    so both replicas act as owners (leases are sticky, so this is also what they end up holding)."""
+    from app.cluster.rendezvous import assign
+
+    pre = [w for w in worker_ids if w.startswith("prefill@")]
+    dec = [w for w in worker_ids if w.startswith("decode@")]
+    for _ in range(10_000):
+        a, b = f"gwb-{uuid.uuid4().hex[:6]}", f"gwb-{uuid.uuid4().hex[:6]}"
+        owner = assign(worker_ids, [a, b])
+        if {owner[w] for w in pre} == {a, b} and {owner[w] for w in dec} == {a, b}:
+            return a, b
+    raise RuntimeError("no replica id pair splits the workers")  # pragma: no cover (p = 0.75^10000)
+
+
+def setup_cluster(
+    args: argparse.Namespace, log_dir: Path, redis_url: str, cluster: str, procs: list[Proc], results: dict
+) -> tuple[list[Gateway], list[Proc]]:
+    """Workers, then two worker-less replicas; workers registered once both replicas are live."""
+    console.print("starting 2 prefill + 2 decode workers...")
+    workers = start_gateway_workers(["prefill", "prefill", "decode", "decode"], log_dir)
+    procs.extend(workers)
+    worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
+    results["workers"] = {
+        wid: {"epoch": w.info["epoch"], "startup_s": w.info.get("startup_s")}
+        for wid, w in zip(worker_ids, workers, strict=True)
+    }
+    ids = pick_replica_ids(worker_ids)
+    token = secrets.token_urlsafe(18)
+    console.print(f"starting gateway replicas {ids[0]}, {ids[1]}...")
+    gws: list[Gateway] = []
+    for rid in ids:
+        gw = start_gateway(log_dir, redis_url, cluster, rid, token, args.gateway_log_level)
+        gws.append(gw)
+        procs.append(gw.proc)
+    wait_for(
+        lambda: all(len(g.get("/admin/leases", admin=True).json()["live_replicas"]) == 2 for g in gws),
+        30,
+        "both replicas live",
+    )
+    r = gws[0].post("/admin/workers", {"workers": ",".join(worker_ids)})
+    r.raise_for_status()
+
+    def ready() -> bool:
+        owned: list[str] = []
+        for g in gws:
+            resp = g.get("/readyz")
+            body = resp.json()
+            if resp.status_code != 200 or set(body["workers"]) != set(worker_ids):
+                return False
+            if any(h != "up" for h in body["workers"].values()):
+                return False
+            owned += body["owned"]
+        return sorted(owned) == sorted(worker_ids)
+
+    wait_for(ready, 60, "both replicas ready, every worker up and owned")
+    results["ownership"] = {g.replica_id: g.get("/readyz").json()["owned"] for g in gws}
+    if args.schedule == "direct":
+        # The cluster-wide runtime config (one transaction; both replicas apply it on their next
+        # config refresh, waited for below): one request per batch, and no in-flight cap holding
+        # a request back while earlier ones are at the worker.
+        patch = {"schedule_mode": "direct", "max_inflight_batches": 64}
+        gws[0].put("/admin/config", patch).raise_for_status()
+
+        def applied() -> bool:
+            for g in gws:
+                eff = g.get("/admin/config", admin=True).json()["effective"]
+                if eff["schedule_mode"] != "direct" or eff["max_inflight_batches"] != 64:
+                    return False
+            return True
+
+        wait_for(applied, 30, "both replicas on the direct schedule")
+    return gws, workers
+
+
+def redis_ping_hist(gws: list[Gateway]) -> dict[str, float]:
+    """Mean Redis health-ping latency per replica from /metrics (a sanity check of Redis itself)."""
+    out = {}
+    for g in gws:
+        text = g.get("/metrics").text
+        s = c = 0.0
+        for line in text.splitlines():
+            if line.startswith("flexlb_redis_latency_seconds_sum"):
+                s = float(line.split()[-1])
+            elif line.startswith("flexlb_redis_latency_seconds_count"):
+                c = float(line.split()[-1])
+        out[g.replica_id] = r3(s / c * 1000) if c else float("nan")
+    return out
