@@ -53,7 +53,7 @@ class Settings(BaseSettings):
         "slo", description="slo: 429 slo_unattainable when the predicted TTFT misses the deadline; off"
     )
     admission_slack: float = Field(
-        0.0, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
+        -0.15, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
     )
     reserve_output_tokens: str = Field(
         "max", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"

@@ -20,7 +20,7 @@ def test_predicted_ttft_is_backlog_plus_wait_plus_own_prefill_scaled() -> None:
 
 
 def test_admit_within_budget_refuse_beyond_with_retry_after() -> None:
-    cfg = AdmissionConfig()
+    cfg = AdmissionConfig(slack=0.0)
     ok = decide(cfg, view(2000, 500), 400, 3000)
     assert ok.admit and ok.predicted_ms == pytest.approx(2900)
     no = decide(cfg, view(4000, 1500), 400, 3000)

@@ -69,7 +69,8 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
         ok = [r for r in rs if r[0] == 200]
         refused = [r for r in rs if r[0] == 429]
         assert len(ok) + len(refused) == n, [(r[0], r[2]) for r in rs if r[0] not in (200, 429)]
-        # 3000 ms / 600 ms predicted each: ~5 fit; the rest are refused, typed, with Retry-After
+        # 3000 ms less 15 % headroom / 600 ms predicted each: ~4 fit; the rest are refused, typed,
+        # with Retry-After
         assert 3 <= len(ok) <= 6, [(r[0], round(r[1])) for r in rs]
         assert all(r[2]["error"]["code"] == "slo_unattainable" and int(r[3]) >= 1 for r in refused)
         # admitted: within the deadline (loose wall-clock margin for a loaded box is NOT added)
