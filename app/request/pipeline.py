@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexlb.request")
 
+#: Wall ms the gateway itself needs between admission and a first token (hand-off, the owner's
+#: read, the reply) on a loaded host, on top of the worker's predicted time (SLO admission).
+GATEWAY_FLOOR_MS = 20.0
+
 TERMINAL = {"completed", "failed", "cancelled", "timed_out", "owner_lost"}
 ENGINE_TO_API = {
     "cancelled": "cancelled",
@@ -508,7 +512,9 @@ class Pipeline:
         wait = expected_batch_wait_ms(view, bc.wait_ms, bc.mode == "batch" and bc.algorithm == "fixed_window")
         deadline = req.deadline_ms or bc.slo_ttft_ms * scale
         budget = deadline - (time.perf_counter() - p.t0) * 1000
-        v = admission_decide(cfg, view, own, budget, batch_wait_ms=wait, time_scale=scale)
+        # + the gateway's own round trips (hand-off, owner read, reply): a deadline shorter than
+        # those is unattainable whatever the worker's load, and must be refused, not run late
+        v = admission_decide(cfg, view, own, budget - GATEWAY_FLOOR_MS, batch_wait_ms=wait, time_scale=scale)
         if not v.admit:
             M.ADMISSION_REJECTIONS.labels(v.reason).inc()
             raise ApiError(
