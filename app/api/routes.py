@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
@@ -309,6 +309,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
+    req.sampling = sampling_of(body)
     cid = f"cmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -439,6 +440,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         stops,
         body.user,
     )
+    req.sampling = sampling_of(body)
     cid = f"chatcmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -511,6 +513,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         ("max_new_tokens", prompt_field),
         deadline_ms=body.deadline_ms,
     )
+    req.sampling = sampling_of(body)
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
 

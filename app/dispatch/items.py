@@ -24,6 +24,7 @@ class QueueItem:
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
     ttft_deadline_ms: float = 0.0  # wall ms since the epoch its TTFT deadline passes; 0 = none
     drop_late: bool = False  # end it typed if that deadline passes while it waits here
+    sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -41,4 +42,5 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         attempt=int(m.get("att", 0)),
         ttft_deadline_ms=float(m.get("ttft_dl", 0.0)),
         drop_late=bool(m.get("drop", 0)),
+        sampling=m.get("smp") or None,
     )

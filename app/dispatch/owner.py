@@ -419,7 +419,11 @@ class OwnerDispatcher(OwnerClaims):
         batch_pred_ms = predicted
         try:
             async for ev in self.client.prefill(
-                batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout
+                batch_id,
+                epoch,
+                [(i.request_id, i.tokens) for i in live],
+                timeout=timeout,
+                sampling=[i.sampling for i in live],
             ):
                 if ev.event == "accepted":
                     accepted = True

@@ -71,6 +71,9 @@ class GenRequest:
     # TTFT deadline in wall ms from arrival (`deadline_ms` / `x-flexlb-slo-ms`); 0 = the
     # cluster SLO. SLO admission refuses what cannot meet it; the owner ends it if it passes.
     deadline_ms: float = 0.0
+    # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
+    # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
+    sampling: dict[str, float | int] | None = None
 
 
 @dataclass
@@ -563,6 +566,8 @@ class Pipeline:
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
             if req.deadline_ms or r.admission.drop_late == "always":
                 meta["drop"] = 1
+        if req.sampling:
+            meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         # Counted on our overlay before the round trip: requests routed meanwhile on this replica
         # (a burst) see it, rather than all ranking and admitting against the same queue.
