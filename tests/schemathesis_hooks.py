@@ -5,7 +5,8 @@ SCHEMATHESIS_HOOKS.
   language of app/scheduling/formula.py). A JSON schema cannot state a grammar, so the fuzzer is
   taught to write valid ones; invalid ones are still sent by its negative phase.
 - Deadlines: a schema-valid `timeout_ms` of a few ms is a legitimate 504 (`deadline_exceeded`, the
-  request really ran out of time), which the fuzzer would count as a server error. Generated
+  request really ran out of time), which the fuzzer would count as a server error; so is a
+  `deadline_ms` (TTFT deadline) of a few ms that passes while the request is queued. Generated
   deadlines are raised to at least 20 s; the 504 path has tests of its own.
 """
 
@@ -39,8 +40,10 @@ schemathesis.openapi.format(
 
 @schemathesis.hook
 def map_body(ctx: Any, body: Any) -> Any:
-    # int or an integral float (JSON Schema counts 52.0 as an integer, and so does the API)
-    t = body.get("timeout_ms") if isinstance(body, dict) else None
-    if isinstance(t, int | float) and not isinstance(t, bool) and t > 0:
-        body["timeout_ms"] = max(t, MIN_TIMEOUT_MS)
+    # deadline_ms: a TTFT deadline, 504 when it passes queued. An int or an integral float (JSON
+    # Schema counts 52.0 as an integer, and so does the API).
+    for key in ("timeout_ms", "deadline_ms"):
+        t = body.get(key) if isinstance(body, dict) else None
+        if isinstance(t, int | float) and not isinstance(t, bool) and t > 0:
+            body[key] = max(t, MIN_TIMEOUT_MS)
     return body

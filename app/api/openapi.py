@@ -203,9 +203,10 @@ STATUS_TEXT = {
     409: "a request with this id is still running (duplicate_request)",
     413: "the body exceeds FLEXLB_MAX_BODY_BYTES (request_too_large)",
     415: "the body is not application/json (unsupported_media_type)",
-    429: "rate_limited: the tenant is over a cluster-wide limit (x-ratelimit-* headers), or overloaded: "
-    "a prefill queue is full, no decode KV is left, or this replica is at its concurrency cap; retry "
-    "after Retry-After",
+    429: "rate_limited: the tenant is over a cluster-wide limit (x-ratelimit-* headers); overloaded: "
+    "a prefill queue is full, no decode KV is left, or this replica is at its concurrency cap; "
+    "slo_unattainable: the predicted time to first token misses the request's deadline; retry after "
+    "Retry-After",
     499: "cancelled by DELETE /v1/requests/{id} or by the client going away (cancelled)",
     500: "internal error (internal)",
     502: "a worker failed the request (worker_error)",

@@ -147,6 +147,8 @@ class OwnerClaims:
                         time.time() * 1000,
                         item.predicted_ms * self.time_scale(),
                         item,
+                        deadline_ms=item.ttft_deadline_ms,
+                        drop_late=item.drop_late,
                     )
                 )
                 self.wake.set()

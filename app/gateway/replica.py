@@ -119,6 +119,8 @@ class Replica:
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
         self.tenant_limits: dict[str, Limits] = {}  # runtime config `tenant_limits` (app/security)
+        self.admission = settings.admission_config()
+        self.admission.validate()
         # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
         self.policies = PolicyBook(settings.policies)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)

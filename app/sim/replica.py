@@ -21,6 +21,7 @@ from app.scheduling.routing import (
     current_loads,
     top_candidates,
 )
+from app.sim.peers import PEERS, make_peer
 
 if TYPE_CHECKING:
     from app.sim.cluster import ClusterSim
@@ -40,7 +41,9 @@ class SimReplica:
         self.pindex = sim.pindex
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
+        # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
+        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
+        self.pstrat = sim.book.build(PREFILL, "cost" if self.peer else policy, sim.formula)
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
@@ -48,6 +51,7 @@ class SimReplica:
         self.d_seen = [-1] * cfg.decode
         self.snap_time = -1.0
         self.overlay: dict[int, tuple[float, float]] = {}
+        self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
         self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
         self.spec = SpecIndex(cfg.speculative_ttl_ms, cfg.speculative_max_entries)
         self.pviews: list[WorkerView] = []
@@ -151,6 +155,7 @@ class SimReplica:
             self.dviews = [self.dview(d) for d in range(len(self.dids))]
         changed = set(self.overlay)  # the refresh makes every overlay older than the snapshot
         self.overlay.clear()
+        self.fresh_owed.clear()
         for w, ver in enumerate(p_pub_ver):
             if ver != self.p_seen[w]:
                 self.p_seen[w] = ver
@@ -177,7 +182,15 @@ class SimReplica:
         """`Pipeline.views("prefill")` for one worker, from this replica's copy of the snapshot."""
         s = self.psnap[w]
         queued, owed = current_loads(
-            s[4], s[5], s[6], self.overlay.get(w), self.snap_time, self.finished.get(w), now - 5000.0
+            s[4],
+            s[5],
+            s[6],
+            self.overlay.get(w),
+            self.snap_time,
+            self.finished.get(w),
+            now - 5000.0,
+            self.fresh_owed.get(w),
+            now,
         )
         return WorkerView(
             id=self.pids[w],
