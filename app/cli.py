@@ -248,6 +248,9 @@ def up(
     model: Annotated[str | None, typer.Option(help="hf: local model directory")] = None,
     device: Annotated[str, typer.Option(help="hf: cpu or cuda")] = "cpu",
     dtype: Annotated[str, typer.Option(help="hf: float32 or bfloat16")] = "float32",
+    redis_ha: Annotated[
+        bool, typer.Option("--redis-ha", help="Redis master + replica + 3 sentinels on loopback")
+    ] = False,
 ) -> None:
     """Run the local stack in the foreground: Redis, workers, gateways (Ctrl-C stops everything)."""
     from pathlib import Path
@@ -256,6 +259,9 @@ def up(
 
     if engine not in ("sim", "hf") or (engine == "hf" and not model):
         raise typer.BadParameter("sim, or hf with --model DIR", param_hint="--engine")
+    if redis_ha and redis_url:
+        msg = "--redis-ha starts its own Redis: unset FLEXLB_REDIS_URL"
+        raise typer.BadParameter(msg, param_hint="--redis-ha")
     engine_args = (
         ["--engine", "hf", "--model", str(Path(model).resolve()), "--device", device, "--dtype", dtype]
         if engine == "hf" and model
@@ -273,6 +279,7 @@ def up(
             log_dir=Path(log_dir),
             redis_url=redis_url,
             worker_args=engine_args,
+            redis_ha=redis_ha,
         )
     )
 

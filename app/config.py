@@ -48,6 +48,9 @@ class Settings(BaseSettings):
         10.0, description="on SIGTERM: how long in-flight requests and batches may take to finish"
     )
     lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
+    settled_batch_ttl_s: int = Field(
+        600, ge=1, description="how long a settled batch id is kept to drop a late duplicate commit"
+    )
     reconcile_interval_ms: int = Field(
         2000, description="master's reconciler period (leaked holds, dead origins, queued_ms drift)"
     )

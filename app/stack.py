@@ -28,6 +28,7 @@ from workers.server.spawn import ReadyLine
 
 if TYPE_CHECKING:
     from app.state.embedded_redis import EmbeddedRedis
+    from app.state.redis_ha import RedisHA
 
 
 class StartError(RuntimeError):
@@ -182,6 +183,7 @@ def run_stack(
     log_dir: Path = Path("logs"),
     redis_url: str | None = None,
     worker_args: list[str] | None = None,
+    redis_ha: bool = False,
 ) -> int:
     log_dir = _run_dir(log_dir)
     console = Console(log_dir / "up.log")
@@ -191,10 +193,20 @@ def run_stack(
     cluster = os.environ.get("FLEXLB_CLUSTER", "flexlb")
     env = {**os.environ, "FLEXLB_ADMIN_TOKEN": token, "FLEXLB_CLUSTER": cluster, "PYTHONUNBUFFERED": "1"}
     procs: list[Proc] = []
-    emb = None
+    emb: EmbeddedRedis | RedisHA | None = None
     rc = 0
     try:
-        if not redis_url:
+        if redis_ha:
+            from app.state.redis_ha import RedisHA, RedisHAError
+
+            # Started before any thread of ours, its servers get SIGTERM if we are SIGKILLed.
+            try:
+                emb = RedisHA(log_dir / "redis-ha", log_dir=log_dir, die_with_parent=True)
+            except RedisHAError as exc:
+                raise StartError(f"redis HA set: {exc}") from exc
+            redis_url = emb.url
+            console.say(f"redis HA: master :{emb.ports['a']}, replica :{emb.ports['b']}, sentinels {emb.url}")
+        elif not redis_url:
             from app.state.embedded_redis import start_embedded_redis
 
             # owner_pid: the embedded Redis goes when this process goes, even by SIGKILL.
@@ -286,7 +298,7 @@ def _watch(
 
 
 def _stop_all(
-    procs: list[Proc], emb: EmbeddedRedis | None, sigs: _Signals, console: Console, log_dir: Path
+    procs: list[Proc], emb: EmbeddedRedis | RedisHA | None, sigs: _Signals, console: Console, log_dir: Path
 ) -> None:
     """Gateways drain first, then the workers stop, each group in parallel, then Redis. Every step
     is guarded on its own: a failure in one must not leave the others running."""
@@ -308,8 +320,8 @@ def _stop_all(
     if emb is not None:
         try:
             emb.stop()
-        except Exception as exc:  # the watchdog still removes it once we are gone
-            console.say(f"embedded redis stop failed: {exc!r}", err=True)
+        except Exception as exc:  # the watchdog (or PDEATHSIG) still removes it once we are gone
+            console.say(f"redis stop failed: {exc!r}", err=True)
     console.say(f"stopped in {time.monotonic() - t1:.1f} s; logs in {log_dir}/")
     console.close()
 

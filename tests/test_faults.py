@@ -26,12 +26,12 @@ import redis
 from app.cluster.rendezvous import assign
 from app.state.embedded_redis import find_redis_server
 from app.state.keys import Keys
+from app.state.redis_ha import RedisHA
 
 from .chaos import Load, assert_clean, fresh_batch, summary
 from .conftest import start_worker, worker_call
 from .faultproxy import FaultProxy
 from .gateways import Gateway, free_port, start_gateway, wait_for
-from .redis_ha import RedisHA
 
 GW_ENV = {"FLEXLB_RECONCILE_INTERVAL_MS": "500", "FLEXLB_RECONCILE_FORGET_S": "8"}
 
@@ -436,7 +436,7 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
 def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(workers_reset, tmp_path) -> None:
     pool = workers_reset
     p0, p1, d = wid(pool["prefill"][0]), wid(pool["prefill"][1]), wid(pool["decode"][0])
-    ha = RedisHA(tmp_path)
+    ha = RedisHA(tmp_path / "ha")
     cluster = f"t-f6-{uuid.uuid4().hex[:6]}"
     a, b = start_two(tmp_path, ha.url, cluster, [p0, p1, d], via=ha.master())
     keys = Keys(cluster)

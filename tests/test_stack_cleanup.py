@@ -278,3 +278,40 @@ def test_a_gateway_stuck_in_shutdown_exits_at_once_on_a_second_signal(tmp_path: 
         gw.kill()
         os.kill(emb.pid, signal.SIGCONT)
         emb.stop()
+
+
+def _redis_children(pid: int) -> list[int]:
+    """`flexlb up`'s own redis-server children (the HA set's servers and sentinels)."""
+    kids = []
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            kids += [int(k) for k in (t / "children").read_text().split()]
+    out = []
+    for k in kids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{k}/comm").read_text().strip().startswith("redis-server"):
+                out.append(k)
+    return out
+
+
+def test_up_with_redis_ha_serves_through_the_sentinels_and_ctrl_c_stops_all_five(
+    tmp_path: Path, runs: list[Run]
+) -> None:
+    """`flexlb up --redis-ha` (issue 14 Deliver 4): the gateways take the sentinels' URL, a request
+    is served through the master they name, and Ctrl-C stops the 2 servers and 3 sentinels with
+    everything else."""
+    run = _start(tmp_path, "--redis-ha")
+    runs.append(run)
+    m = run.manifest()
+    assert m["redis_url"].startswith("redis+sentinel://127.0.0.1:"), m["redis_url"]
+    redis_pids = _redis_children(run.proc.pid)
+    assert len(redis_pids) == 5, (redis_pids, run.up_log()[-2000:])
+    r = _generate(m["gateways"][0]["url"])
+    assert r.status_code == 200, r.text
+    for name in ("a", "b", "sentinel-0", "sentinel-1", "sentinel-2"):
+        assert (run.log_dir / "latest" / f"redis-{name}.log").stat().st_size > 0, name
+    os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C in the terminal
+    assert run.proc.wait(30) == 0, run.up_log()[-2000:]
+    left = [p for p in redis_pids if pid_alive(p)]
+    assert not left, left
+    run.assert_nothing_left(10)

@@ -76,7 +76,11 @@ class Replica:
         # (TLS, sentinels), which then take redis-py's pipeline.
         self.fast_redis = RespConnection.from_url(redis_url)
         self.store = StateStore(
-            self.redis, self.keys, lifecycle_ttl_s=settings.lifecycle_ttl_s, fast=self.fast_redis
+            self.redis,
+            self.keys,
+            lifecycle_ttl_s=settings.lifecycle_ttl_s,
+            settled_batch_ttl_ms=settings.settled_batch_ttl_s * 1000,
+            fast=self.fast_redis,
         )
         self.registry = Registry(self.redis, self.keys)
         self.membership = Membership(
