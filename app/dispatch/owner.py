@@ -103,7 +103,7 @@ class OwnerDispatcher(OwnerClaims):
         self._stopping = False
         # Set by drain(): stop taking entries, flush what the batcher holds, let batches finish.
         self._draining = False
-        self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record came in
+        self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record first came in
         self._last_audit = 0.0
         self._marks: set[asyncio.Task[Any]] = set()  # off-path lifecycle `dispatched` writes
         # Where each of our batches starts on the engine (wall ms), so the ledger's owed time
@@ -156,11 +156,14 @@ class OwnerDispatcher(OwnerClaims):
         `ttl_ms` whatever its state is settled as `ttl`; that counter staying 0 is the proof the
         other paths are complete."""
         now = time.time() * 1000
+        seen = self._finished_seen
         for r in st.get("finished", []):
-            self._finished_seen[str(r.get("batch_id", ""))] = now
-        if len(self._finished_seen) > 20_000:
-            for k in list(self._finished_seen)[:10_000]:
-                del self._finished_seen[k]
+            seen.setdefault(str(r.get("batch_id", "")), now)  # first sighting: insertion order = age
+        # A batch first seen finished more than `ttl_ms` ago was committed even earlier, so the
+        # audit settles it as `ttl` whatever this says: forget it (this dict otherwise filled up to
+        # its 20,000 cap for half an hour of soak, growing the gateway's RSS all the while).
+        while seen and (next(iter(seen.values())) < now - ttl_ms or len(seen) > 20_000):
+            del seen[next(iter(seen))]
         if now - self._last_audit < 1000 or not self.lease.is_valid():
             return {}
         self._last_audit = now
