@@ -13,9 +13,10 @@ instead of the product's 3600 s, so a soak shorter than an hour still reaches st
 
 At the end it fits a line to each series after the warm-up (`--warmup-s`, at least 2 x the TTL)
 and states its growth in % per hour of its mean (Redis's series also per request answered in the
-last TTL, which a swing of the achieved rate on a shared box does not move); the target is <= 1 %/h for every series, 0 reconciler corrections and 0
-loop errors. With `--faults` it also runs the chaos suite (tests/test_faults.py) and prints its
-table (case, sent, ok, typed, hung, lost). Results go to `--output` as JSON.
+last TTL, which a swing of the achieved rate on a shared box does not move); the target is
+<= 1 %/h for every series, 0 reconciler corrections and 0 loop errors. With `--faults` it also
+runs the chaos suite (tests/test_faults.py) and prints its table (case, sent, ok, typed, hung,
+lost). Results go to `--output` as JSON.
 
     .venv/bin/python bench/soak.py [--minutes 30] [--rate 50] [--sample-s 30] [--faults]
 
@@ -187,11 +188,14 @@ def per_request(samples: list[dict[str, float]], ttl_s: float) -> None:
     answered in the last `ttl_s` (the ones whose records Redis still holds). The achieved rate on a
     shared box swings by tens of %, and the raw series follow it; per retained request, a leak
     still shows as growth and a rate swing does not."""
-    for s in samples:
-        past = [p for p in samples if p["t"] <= s["t"] - ttl_s]
-        if not past or "answered" not in s:
+    for i, s in enumerate(samples):
+        at = s["t"] - ttl_s
+        j = max((k for k in range(i) if samples[k]["t"] <= at), default=None)
+        if j is None or j + 1 > i or "answered" not in s or "answered" not in samples[j]:
             continue
-        retained = s["answered"] - past[-1].get("answered", 0.0)
+        a, b = samples[j], samples[j + 1]  # interpolated: samples are not spaced by the TTL
+        f = (at - a["t"]) / (b["t"] - a["t"]) if b["t"] > a["t"] else 0.0
+        retained = s["answered"] - (a["answered"] + f * (b.get("answered", a["answered"]) - a["answered"]))
         if retained > 0:
             s["redis_dbsize/req"] = s["redis_dbsize"] / retained
             s["redis_used_memory/req"] = s["redis_used_memory"] / retained
