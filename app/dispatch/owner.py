@@ -25,7 +25,7 @@ from app import metrics as M
 from app.cluster.leases import Lease
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
-from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.handoff import GROUP, Handoff, unpack_tokens
@@ -237,18 +237,7 @@ class OwnerDispatcher:
                 continue
             now = time.time() * 1000
             for entry_id, fields in entries:
-                item = parse_item(entry_id, fields)
-                self.batcher.add(
-                    Pending(
-                        item.request_id,
-                        len(item.tokens),
-                        item.hit_tokens,
-                        now,
-                        item.predicted_ms * self.time_scale(),
-                        item,
-                    )
-                )
-                self.wake.set()
+                self.admit(parse_item(entry_id, fields), now)
 
     async def _claim_pending(self, key: str) -> None:
         """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
@@ -291,17 +280,7 @@ class OwnerDispatcher:
                     with contextlib.suppress(Exception):
                         await self.client.cancel(bid)
                     await self.store.settle(self.wid, bid, item.request_id)
-                self.batcher.add(
-                    Pending(
-                        item.request_id,
-                        len(item.tokens),
-                        item.hit_tokens,
-                        time.time() * 1000,
-                        item.predicted_ms * self.time_scale(),
-                        item,
-                    )
-                )
-                self.wake.set()
+                self.admit(item, time.time() * 1000)
 
     async def _adopt(self, item: QueueItem, batch_id: str) -> None:
         """The worker is running it for a dead owner: wait for its finished record, then deliver."""
@@ -328,12 +307,7 @@ class OwnerDispatcher:
             if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
                 await asyncio.sleep(0.1)
                 continue
-            if self._draining:
-                if self.batcher.config.wait_ms:
-                    self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
-            elif self.config() is not self._cfg_seen:
-                self.batcher.config = self._scaled_config()
-            d = commit_step(self.batcher, time.time() * 1000)
+            d = self.decide(time.time() * 1000)
             for p, code in d.failed:
                 item: QueueItem = p.payload  # type: ignore[assignment]
                 M.BATCH_FAILED.labels(code).inc()
@@ -357,6 +331,36 @@ class OwnerDispatcher:
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
+        self.batch_finished()
+
+    # ---- the decisions, without I/O (the simulator makes the same ones: tests/test_live_sim_equivalence.py)
+    def admit(self, item: QueueItem, now_ms: float) -> None:
+        """A hand-off read from the queue (or claimed) joins the batcher, stamped with when the
+        owner read it and its predicted ms in the batcher's (wall) clock."""
+        self.batcher.add(
+            Pending(
+                item.request_id,
+                len(item.tokens),
+                item.hit_tokens,
+                now_ms,
+                item.predicted_ms * self.time_scale(),
+                item,
+            )
+        )
+        self.wake.set()
+
+    def decide(self, now_ms: float) -> Decision:
+        """The batcher's decision at ``now_ms`` under the current knobs (a drain flushes without
+        waiting); a released batch is counted in flight before this returns (`commit_step`)."""
+        if self._draining:
+            if self.batcher.config.wait_ms:
+                self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
+        elif self.config() is not self._cfg_seen:
+            self.batcher.config = self._scaled_config()
+        return commit_step(self.batcher, now_ms)
+
+    def batch_finished(self) -> None:
+        """A dispatched batch was answered (or failed): the worker has room for the next."""
         self.batcher.batch_finished()
         self.wake.set()
 

@@ -25,7 +25,14 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery, WorkerView, current_loads
+from app.scheduling.routing import (
+    Choice,
+    DecodeQuery,
+    NoWorker,
+    PrefillQuery,
+    WorkerView,
+    current_loads,
+)
 from app.state.handoff import Handoff, pack_tokens
 from app.state.store import request_fields
 from app.state.text import to_str as _s
@@ -129,8 +136,12 @@ class Pipeline:
         self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
 
     # ---- routing inputs ------------------------------------------------------------------
-    def views(self, role: str) -> list[WorkerView]:
+    def views(self, role: str, now_s: float | None = None) -> list[WorkerView]:
+        """The workers of ``role`` as this origin ranks them: the owners' snapshots with this
+        origin's own overlays (`routing.current_loads`); ``now_s`` is the wall clock (tests and
+        the live-vs-simulator equivalence test pass it)."""
         r = self.r
+        stale_before = (time.time() if now_s is None else now_s) - 5.0
         out = []
         ids = r.prefill_ids() if role == "prefill" else r.decode_ids()
         for wid in ids:
@@ -150,12 +161,22 @@ class Pipeline:
                 r.queued_overlay.get(wid),
                 r.snapshot_time.get(wid, 0.0),
                 self.finished.get(wid) if prefill else None,
-                time.time() - 5.0,  # older entries are long since reflected, or from an older epoch
+                stale_before,  # older entries are long since reflected, or from an older epoch
             )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
             out.append(view)
         return out
+
+    def choose_prefill(
+        self, n_in: int, keys: list[int], bs: int, views: list[WorkerView], now_s: float
+    ) -> Choice:
+        """Pure: the prefill policy's choice among ``views`` for a prompt of ``n_in`` tokens whose
+        full blocks hash to ``keys``. Hits come from `CacheMirror.match_fast` (block 0's holders
+        only, as the simulator matches), not a walk over every worker; a worker it omits holds
+        nothing, which the policies read as 0 blocks. Raises NoWorker."""
+        hits = self.r.mirror.match_fast(keys, now_s * 1000)
+        return self.r.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), views, self.rng)
 
     def block_size(self) -> int:
         for wid in self.r.prefill_ids():
@@ -182,7 +203,7 @@ class Pipeline:
             # (its clean-up would then drop the original's cancel handle and reply future).
             self.live.setdefault(rid, task)
         try:
-            self._choose_decode(req, p)
+            self.choose_decode(req, p)
             if not req.fresh_id:
                 await self._record(req, p)  # a client id: refuse a duplicate before any hand-off
             async with asyncio.timeout(req.timeout_ms / 1000):
@@ -231,7 +252,7 @@ class Pipeline:
             if p.stage != "new":  # only the request that created the record waits for its reply
                 r.replies.forget(rid)
 
-    def _choose_decode(self, req: GenRequest, p: Progress) -> None:
+    def choose_decode(self, req: GenRequest, p: Progress) -> None:
         """Pure: the decode worker (DESIGN §3 step 5) is chosen before anything is written, so its
         KV reservation rides in the record's round trip. `max_tokens: 1` never touches decode."""
         if req.max_new_tokens <= 1:
@@ -376,10 +397,8 @@ class Pipeline:
             arr = np.asarray(req.input_ids, dtype="<i4")
             p.packed = arr.tobytes()
             keys = block_keys(arr, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
-            now_ms = time.time() * 1000
-            pviews = self.views("prefill")
-            hits = r.mirror.match(keys, [v.id for v in pviews], now_ms)
-            pchoice = r.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), pviews, self.rng)
+            now_s = time.time()
+            pchoice = self.choose_prefill(n_in, keys, bs, self.views("prefill", now_s), now_s)
         except NoWorker as exc:
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
@@ -398,8 +417,7 @@ class Pipeline:
                 retried = True
                 others = [v for v in self.views("prefill") if v.id != pchoice.worker_id]
                 try:
-                    hits = r.mirror.match(keys, [v.id for v in others], time.time() * 1000)
-                    pchoice = r.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), others, self.rng)
+                    pchoice = self.choose_prefill(n_in, keys, bs, others, time.time())
                 except NoWorker:
                     raise ns.error from None
                 M.PREFILL_RETRIES.inc()

@@ -145,7 +145,7 @@ class Batcher:
                 d.reason = "full"
             elif c.predict_threshold_ms and pred >= c.predict_threshold_ms:
                 d.reason = "predict_threshold"
-            elif now_ms - oldest >= c.wait_ms:
+            elif now_ms >= oldest + c.wait_ms:  # the same sum as the wake time (float-exact)
                 d.reason = "timeout"
             else:
                 d.wake_at_ms = oldest + c.wait_ms

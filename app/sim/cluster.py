@@ -56,7 +56,6 @@ from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
-    PrefillQuery,
 )
 from app.sim.config import SimConfig
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
@@ -214,6 +213,7 @@ class ClusterSim:
                 self._decode_effects(a, self.deng[a].advance_to(t))
                 self._resched_d(a)
             elif kind == _HANDOFF:
+                b.arrival_ms = t  # the owner stamps its read, as the live one does (`admit`)
                 self.batchers[a].add(b)
                 self._decide(a)
             elif kind == _TIMER:
@@ -280,10 +280,8 @@ class ClusterSim:
             st.decode = d
             st.reserved = need
         keys = self.trace.full_block_keys(tr)
-        hits = self.mirror.match_fast(keys, self.now, rep.spec) if keys else {}
-        q = PrefillQuery(size, hits, self.bs)
         try:
-            choice = rep.choose_prefill(q, hits)
+            choice = rep.choose_prefill(size, keys, self.now)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")

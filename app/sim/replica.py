@@ -8,6 +8,7 @@ shortlists are the simulator's own speed-up and are described in `app/sim/cluste
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from app.cache.mirror import SpecIndex
@@ -38,6 +39,7 @@ class SimReplica:
         self.pids = sim.pids
         self.dids = sim.dids
         self.pindex = sim.pindex
+        self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
         self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
@@ -58,8 +60,12 @@ class SimReplica:
         self.dband: list[int] | None = None
         self.band_rng = random.Random(f"{cfg.seed}:band:{idx}")
 
-    def choose_prefill(self, q: PrefillQuery, hits: dict[str, int]) -> Choice:
-        """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
+    def choose_prefill(self, size: int, keys: Sequence[int], now: float) -> Choice:
+        """The prefill policy's choice for a prompt of ``size`` tokens whose full blocks hash to
+        ``keys``, as `Pipeline.choose_prefill` makes it: hits from the mirror's `match_fast` with
+        this replica's speculative entries; over a shortlist on a large fleet (app/sim/cluster.py)."""
+        hits = self.mirror.match_fast(keys, now, self.spec) if keys else {}
+        q = PrefillQuery(size, hits, self.bs)
         cfg = self.cfg
         views = self.pviews
         n = len(views)
