@@ -23,11 +23,13 @@ simulator's own object (its confirmed keys) with the simulated replica's specula
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
+from app.cache.mirror import CacheMirror
 from app.cluster.leases import Lease
 from app.config import Settings
 from app.dispatch.owner import OwnerDispatcher, QueueItem
@@ -35,7 +37,8 @@ from app.gateway.errors import ApiError
 from app.gateway.replica import Replica
 from app.request.pipeline import GenRequest, Pipeline, Progress
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
-from app.scheduling.routing import Choice, DecodeQuery, NoWorker
+from app.scheduling.policy import PREFILL
+from app.scheduling.routing import Choice, DecodeQuery, NoWorker, PrefillQuery
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
 from app.sim.replica import SimReplica
@@ -252,3 +255,54 @@ async def test_live_and_simulated_decisions_are_identical(
         assert tally.refusals > 0, "no refused member: the batcher's refusals were not exercised"
     if batching != "direct":
         assert tally.batched > 0, "no multi-member batch: the batching decisions were not exercised"
+
+
+class _NoWalk(CacheMirror):
+    """The live mirror, refusing the per-worker walk: the origin must take its hits from
+    `match_fast` (the full walk is called explicitly, as the reference, through the base class)."""
+
+    def match(self, keys: Sequence[int], workers: Any, now_ms: float) -> dict[str, int]:
+        raise AssertionError("the live origin walked every worker (match) instead of match_fast")
+
+
+async def test_live_prefill_hits_from_match_fast_equal_the_full_walk() -> None:
+    """The live origin takes its hits from `match_fast` (block 0's holders only, as the simulator
+    does) instead of `match` over every prefill worker: for every built-in prefill policy, random
+    confirmed and speculative caches and prompts, `Pipeline.choose_prefill` decides exactly as the
+    same policy fed the full walk's hits (zeros included) with the same generator state."""
+    rng = random.Random(18)
+    workers = [f"prefill@10.0.0.{i}:8000" for i in range(7)]
+    chains = [[rng.getrandbits(62) for _ in range(10)] for _ in range(6)]
+    for policy in ("cost", "prefix", "least_load", "random", "round_robin"):
+        live = _live(policy, "kv_headroom")
+        pipe = live.pipeline
+        reference = live.policies.build(PREFILL, policy, live.formula)
+        live.workers = {w: {"role": "prefill", "state": "active"} for w in workers}
+        for case in range(60):
+            now = 10_000.0 + case * 700.0
+            live.mirror = _NoWalk(2000.0)
+            for w in workers:
+                keys = {k for c in rng.sample(chains, 2) for k in c[: rng.randrange(11)]}
+                live.mirror.load_snapshot(w, "e", 1, keys)
+            for _ in range(rng.randrange(4)):
+                chain = rng.choice(chains)[: rng.randrange(1, 11)]
+                live.mirror.add_speculative(rng.choice(workers), chain, now - 500)
+            live.snapshots = {
+                w: {
+                    "health": "up",
+                    "kv_total_tokens": "100000",
+                    "kv_free_tokens": str(rng.randrange(0, 100000)),
+                    "queue_len": str(rng.randrange(4)),
+                    "queued_ms": str(rng.choice((0.0, 15.0, 80.0))),
+                    "owed_ms": str(rng.choice((0.0, 40.0))),
+                }
+                for w in workers
+            }
+            views = pipe.views("prefill", now / 1000)
+            keys = rng.choice(chains)[: rng.randrange(0, 11)]
+            n_in = 64 * len(keys) + rng.randrange(64)
+            full = CacheMirror.match(live.mirror, keys, workers, now)
+            state = pipe.rng.getstate()
+            want = reference.choose(PrefillQuery(n_in, full, 64), views, pipe.rng)
+            pipe.rng.setstate(state)
+            assert pipe.choose_prefill(n_in, keys, 64, views, now / 1000) == want, (policy, case)
