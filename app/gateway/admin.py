@@ -4,11 +4,12 @@ so they persist and apply on every replica (upstream lesson 10)."""
 from __future__ import annotations
 
 import hmac
+import json
 import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 from app import metrics as M
 from app.api.schemas import INTEGRAL, TokenIds
@@ -18,14 +19,8 @@ from app.gateway.errors import ApiError, check_token_ids
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
-from app.scheduling.policy import DECODE, PREFILL
+from app.scheduling.policy import DECODE, PREFILL, runtime_book
 from app.state.text import to_str as _s
-
-RUNTIME_KEYS: dict[str, type] = {
-    "prefill_strategy": str,
-    "decode_strategy": str,
-    "prefill_time_formula": str,
-}
 
 
 def _replica(request: Request) -> Replica:
@@ -57,6 +52,10 @@ class AddWorkers(BaseModel):
     )
 
 
+#: A declared policy's name: usable in `flexlb simulate --policy NAME[@BATCHING],...` too.
+POLICY_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+
+
 class ConfigPatch(BaseModel):
     """Runtime config: every field optional, none null, at least one given. The ranges are the
     batcher's (BatcherConfig.validate), so a schema-valid patch is an applied one."""
@@ -65,6 +64,15 @@ class ConfigPatch(BaseModel):
     # The published document lists the policy names this replica accepts (its registry) as enums.
     prefill_strategy: str = Field(None)
     decode_strategy: str = Field(None)
+    policies: dict[Annotated[str, StringConstraints(pattern=POLICY_NAME)], dict[str, Any]] = Field(
+        None,
+        max_length=64,
+        description=(
+            "policies declared at runtime, name → {role, filters, scorers, picker, batching} as in "
+            "FLEXLB_POLICIES (app/scheduling/policy.py); replaces the previously declared set "
+            "({} removes them); every replica applies it"
+        ),
+    )
     prefill_time_formula: str = Field(
         None,
         json_schema_extra={"format": "flexlb-formula"},
@@ -206,7 +214,15 @@ async def get_config(request: Request) -> dict[str, Any]:
         "max_new_tokens_limit": r.settings.max_new_tokens_limit,
         "max_context_tokens": r.settings.max_context_tokens,
     }
-    return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
+    return {"config": _stored(raw, decode=True), "effective": effective}
+
+
+def _stored(raw: dict[Any, Any], decode: bool = False) -> dict[str, Any]:
+    """The runtime config hash as text; ``decode``: its ``policies`` (stored as JSON) as an object."""
+    cfg: dict[str, Any] = {_s(k): _s(v) for k, v in raw.items()}
+    if decode and "policies" in cfg:
+        cfg["policies"] = json.loads(cfg["policies"])
+    return cfg
 
 
 @router.put("/config")
@@ -216,16 +232,29 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     if not patch:
         raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
     r = _replica(request)
+    current = _stored(await r.redis.hgetall(r.keys.config))
+    # Names are checked against the policies the config will hold: the stored ones (another
+    # replica may have changed them since this one last applied the config) or the patch's.
+    try:
+        book = runtime_book(r.settings.policies, patch.get("policies", current.get("policies")))
+    except (ValueError, TypeError) as exc:  # plugins check their parameters' types by using them
+        raise ApiError("invalid_request", f"policies: {exc}") from exc
+    if "policies" in patch:
+        patch["policies"] = json.dumps(patch["policies"], separators=(",", ":"), sort_keys=True)
     for key, role in (("prefill_strategy", PREFILL), ("decode_strategy", DECODE)):
-        known = r.policies.names(role)
+        known = book.names(role)
         if key in patch and patch[key] not in known:
             raise ApiError("invalid_request", f"{key}: must be one of {known}")
+        selected = current.get(key, getattr(r.settings, key))
+        if key not in patch and selected not in known:
+            raise ApiError(
+                "invalid_request", f"policies: {key} {selected!r} is selected; select another one first"
+            )
     if "prefill_time_formula" in patch:
         try:
             compile_formula(patch["prefill_time_formula"])
         except FormulaError as exc:
             raise ApiError("invalid_request", f"prefill_time_formula: {exc}") from exc
-    current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
     try:
         batcher_config_from({**current, **{k: str(v) for k, v in patch.items()}})
     except (ValueError, TypeError) as exc:

@@ -34,7 +34,7 @@ from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
-from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook, batching_config
+from app.scheduling.policy import DECODE, PREFILL, Policy, batching_config, runtime_book
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.store import StateStore
@@ -108,8 +108,9 @@ class Replica:
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
-        # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
-        self.policies = PolicyBook(settings.policies)
+        # Built-in policies plus those declared in FLEXLB_POLICIES and, once the runtime config is
+        # read, in its `policies` (PUT /admin/config); the admin API validates names against these.
+        self.policies = runtime_book(settings.policies, None)
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
         self.batcher_config = self._batching(BatcherConfig(), {})
@@ -186,6 +187,10 @@ class Replica:
         if version == self.config_version:
             return
         self.config_version = version
+        try:
+            self.policies = runtime_book(self.settings.policies, cfg.get("policies"))
+        except (ValueError, TypeError) as exc:  # PUT /admin/config validated it: only a hand edit fails
+            log.error("runtime config v%d: policies ignored: %s", version, exc)
         if "prefill_time_formula" in cfg:
             self.formula = compile_formula(cfg["prefill_time_formula"])
         self.prefill_strategy = self._make_prefill(
