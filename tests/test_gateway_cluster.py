@@ -459,26 +459,35 @@ def test_policies_declared_at_runtime_apply_on_every_replica(
         cfg0 = gw.get("/admin/config", admin=True).json()
         sticky = {"role": "prefill", "scorers": {"predicted_finish_ms": 1, "cache_hit_tokens": 0.01}}
         for bad in (
-            {"policies": {"x": {"role": "prefill", "scorers": {"no_such_scorer": 1}}}},
-            {"policies": {"cost": sticky}},  # a built-in's name
-            {"policies": {"a,b": sticky}},  # not usable in `flexlb simulate --policy a,b`
-            {"policies": {"x": {**sticky, "scorers": {"predicted_finish_ms": 0}}}},
-            {"policies": {"x": {**sticky, "picker": {"name": "best", "tie_pct": "wide"}}}},
-            {"policies": {"x": sticky}, "prefill_strategy": "y"},
-            {"policies": []},
+            {"x": {"role": "prefill", "scorers": {"no_such_scorer": 1}}},
+            {"cost": sticky},  # a built-in's name
+            {"a,b": sticky},  # not usable in `flexlb simulate --policy a,b`
+            {"x": {**sticky, "scorers": {"predicted_finish_ms": 0}}},
+            {"x": {**sticky, "picker": {"name": "best", "tie_pct": "wide"}}},
+            {"x": {**sticky, "filters": [{"name": "hotspot", "no_such_parameter": 1}]}},
+            [sticky],
         ):
-            resp = httpx_put(gw, "/admin/config", bad)
+            resp = httpx_put(gw, "/admin/config", {"policies": json.dumps(bad)})
             assert resp.status_code == 400, (bad, resp.text)
             assert resp.json()["error"]["code"] == "invalid_request"
+        for bad_patch in (
+            {"policies": "{"},
+            {"policies": json.dumps({"x": sticky}), "prefill_strategy": "y"},
+        ):
+            assert httpx_put(gw, "/admin/config", bad_patch).status_code == 400, bad_patch
         assert gw.get("/admin/config", admin=True).json() == cfg0
         declared = {
             "sticky_rt": {**sticky, "batching": "direct"},
             "fewest_running": {"role": "decode", "scorers": {"decode_running": 1}},
         }
-        patch = {"policies": declared, "prefill_strategy": "sticky_rt", "decode_strategy": "fewest_running"}
+        patch = {
+            "policies": json.dumps(declared),
+            "prefill_strategy": "sticky_rt",
+            "decode_strategy": "fewest_running",
+        }
         ok = httpx_put(gw, "/admin/config", patch)
         assert ok.status_code == 200, ok.text
-        assert ok.json()["config"]["policies"] == declared
+        assert json.loads(ok.json()["config"]["policies"]) == declared
 
         def effective() -> tuple[str, str, str]:
             e = gw2.get("/admin/config", admin=True).json()["effective"]
@@ -497,9 +506,9 @@ def test_policies_declared_at_runtime_apply_on_every_replica(
         )
         assert done.status_code == 200, done.text
         # selected: cannot be removed until another is selected
-        resp = httpx_put(gw, "/admin/config", {"policies": {}})
+        resp = httpx_put(gw, "/admin/config", {"policies": "{}"})
         assert resp.status_code == 400 and "selected" in resp.json()["error"]["message"]
-        back = {"policies": {}, "prefill_strategy": "cost", "decode_strategy": "kv_headroom"}
+        back = {"policies": "{}", "prefill_strategy": "cost", "decode_strategy": "kv_headroom"}
         assert httpx_put(gw, "/admin/config", back).status_code == 200
         wait_for(
             lambda: "sticky_rt" not in gw2.get("/admin/policies", admin=True).json()["policies"]["prefill"],

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from app import metrics as M
 from app.api.schemas import INTEGRAL, TokenIds
@@ -52,8 +53,8 @@ class AddWorkers(BaseModel):
     )
 
 
-#: A declared policy's name: usable in `flexlb simulate --policy NAME[@BATCHING],...` too.
-POLICY_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+#: A runtime-declared policy's name: usable in `flexlb simulate --policy NAME[@BATCHING],...` too.
+POLICY_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 class ConfigPatch(BaseModel):
@@ -64,13 +65,15 @@ class ConfigPatch(BaseModel):
     # The published document lists the policy names this replica accepts (its registry) as enums.
     prefill_strategy: str = Field(None)
     decode_strategy: str = Field(None)
-    policies: dict[Annotated[str, StringConstraints(pattern=POLICY_NAME)], dict[str, Any]] = Field(
+    policies: str = Field(
         None,
-        max_length=64,
+        max_length=65_536,
+        json_schema_extra={"format": "flexlb-policies"},
         description=(
-            "policies declared at runtime, name → {role, filters, scorers, picker, batching} as in "
-            "FLEXLB_POLICIES (app/scheduling/policy.py); replaces the previously declared set "
-            "({} removes them); every replica applies it"
+            "policies declared at runtime: JSON text, name → {role, filters, scorers, picker, "
+            "batching}, the format of FLEXLB_POLICIES (app/scheduling/policy.py; names "
+            "[A-Za-z0-9_.-], 1-64 characters); replaces the previously declared set ('{}' removes "
+            "them); checked against the plugin registry (GET /admin/policies); every replica applies it"
         ),
     )
     prefill_time_formula: str = Field(
@@ -214,15 +217,21 @@ async def get_config(request: Request) -> dict[str, Any]:
         "max_new_tokens_limit": r.settings.max_new_tokens_limit,
         "max_context_tokens": r.settings.max_context_tokens,
     }
-    return {"config": _stored(raw, decode=True), "effective": effective}
+    return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 
 
-def _stored(raw: dict[Any, Any], decode: bool = False) -> dict[str, Any]:
-    """The runtime config hash as text; ``decode``: its ``policies`` (stored as JSON) as an object."""
-    cfg: dict[str, Any] = {_s(k): _s(v) for k, v in raw.items()}
-    if decode and "policies" in cfg:
-        cfg["policies"] = json.loads(cfg["policies"])
-    return cfg
+def _runtime_policies(text: str) -> str:
+    """The patch's `policies` as stored: its JSON object, names checked, in one canonical form."""
+    try:
+        declared = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError("invalid_request", f"policies: not JSON ({exc.msg})") from None
+    if not isinstance(declared, dict):
+        raise ApiError("invalid_request", "policies: expected a JSON object, name → policy")
+    for name in declared:
+        if not POLICY_NAME.fullmatch(name):
+            raise ApiError("invalid_request", f"policies: bad name {name!r} (letters, digits, _ . -; 1-64)")
+    return json.dumps(declared, separators=(",", ":"), sort_keys=True)
 
 
 @router.put("/config")
@@ -232,15 +241,15 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     if not patch:
         raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
     r = _replica(request)
-    current = _stored(await r.redis.hgetall(r.keys.config))
+    current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
+    if "policies" in patch:
+        patch["policies"] = _runtime_policies(patch["policies"])
     # Names are checked against the policies the config will hold: the stored ones (another
     # replica may have changed them since this one last applied the config) or the patch's.
     try:
         book = runtime_book(r.settings.policies, patch.get("policies", current.get("policies")))
     except (ValueError, TypeError) as exc:  # plugins check their parameters' types by using them
         raise ApiError("invalid_request", f"policies: {exc}") from exc
-    if "policies" in patch:
-        patch["policies"] = json.dumps(patch["policies"], separators=(",", ":"), sort_keys=True)
     for key, role in (("prefill_strategy", PREFILL), ("decode_strategy", DECODE)):
         known = book.names(role)
         if key in patch and patch[key] not in known:
