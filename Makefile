@@ -3,8 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ENGINE_STAMP := $(VENV)/.installed-engine
+TORCH_PIN := torch==2.13.0
 
-.PHONY: install test lint run bench client clean
+.PHONY: install install-engine test lint run bench client clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -12,10 +14,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# The real-model engine's extra (torch + transformers): `make test` needs it, `make install` does
+# not. torch goes first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
+$(ENGINE_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q '$(TORCH_PIN)'
+	$(BIN)/python -m pip install -q -e '.[dev,engine]'
+	touch $(ENGINE_STAMP)
+
 install: $(STAMP)
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+install-engine: $(ENGINE_STAMP)
+
+test: $(ENGINE_STAMP)
+	FLEXLB_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -77,7 +77,11 @@ def worker(
     metrics_port: Annotated[int, typer.Option(help="0 picks a free port")] = 0,
     host: Annotated[str, typer.Option(help="address advertised to the gateway")] = "127.0.0.1",
     bind: Annotated[str, typer.Option(help="address Triton listens on")] = "127.0.0.1",
-    engine: Annotated[str, typer.Option(help="engine implementation")] = "sim",
+    engine: Annotated[str, typer.Option(help="sim (modelled GPU) or hf (a real model, --model)")] = "sim",
+    model: Annotated[str | None, typer.Option(help="hf: local model directory (save_pretrained)")] = None,
+    device: Annotated[str, typer.Option(help="hf: cpu or cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="hf: float32 or bfloat16")] = "float32",
+    threads: Annotated[int, typer.Option(help="hf: torch CPU threads; 0 = torch's default")] = 1,
     profile: Annotated[str, typer.Option(help="llama3.1-8b-h100 or formula")] = "llama3.1-8b-h100",
     formula: Annotated[str | None, typer.Option(help="prefill time formula (profile=formula)")] = None,
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
@@ -102,8 +106,12 @@ def worker(
 ) -> None:
     """Start one simulated GPU worker inside a real Triton server."""
     setup_logging(log_level)
-    if engine != "sim":
-        raise typer.BadParameter("only the 'sim' engine exists", param_hint="--engine")
+    if engine not in ("sim", "hf"):
+        raise typer.BadParameter("sim or hf", param_hint="--engine")
+    if engine == "hf" and not model:
+        raise typer.BadParameter("--engine hf needs --model DIR", param_hint="--model")
+    if device not in ("cpu", "cuda") or dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter("--device cpu|cuda, --dtype float32|bfloat16", param_hint="--device/--dtype")
     if role not in ("prefill", "decode"):
         raise typer.BadParameter("prefill or decode", param_hint="--role")
     from workers.engine.faults import Faults
@@ -123,6 +131,11 @@ def worker(
         seed=seed,
         chunk_interval_ms=chunk_interval_ms,
         kv_handle_ttl_ms=kv_handle_ttl_ms,
+        engine=engine,
+        model_path=model or "",
+        device=device,
+        dtype=dtype,
+        threads=threads,
         faults=Faults.from_dict(
             {
                 "error_rate": fault_error_rate,
@@ -215,11 +228,23 @@ def up(
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
     log_dir: Annotated[str, typer.Option(help="folder for every process's log")] = "logs",
     redis_url: Annotated[str | None, typer.Option(envvar="FLEXLB_REDIS_URL", help="unset → embedded")] = None,
+    engine: Annotated[str, typer.Option(help="sim (modelled GPUs) or hf (a real model, --model)")] = "sim",
+    model: Annotated[str | None, typer.Option(help="hf: local model directory")] = None,
+    device: Annotated[str, typer.Option(help="hf: cpu or cuda")] = "cpu",
+    dtype: Annotated[str, typer.Option(help="hf: float32 or bfloat16")] = "float32",
 ) -> None:
     """Run the local stack in the foreground: Redis, workers, gateways (Ctrl-C stops everything)."""
     from pathlib import Path
 
     from app.stack import run_stack
+
+    if engine not in ("sim", "hf") or (engine == "hf" and not model):
+        raise typer.BadParameter("sim, or hf with --model DIR", param_hint="--engine")
+    engine_args = (
+        ["--engine", "hf", "--model", str(Path(model).resolve()), "--device", device, "--dtype", dtype]
+        if engine == "hf" and model
+        else []
+    )
 
     raise typer.Exit(
         run_stack(
@@ -231,8 +256,27 @@ def up(
             time_scale=time_scale,
             log_dir=Path(log_dir),
             redis_url=redis_url,
+            worker_args=engine_args,
         )
     )
+
+
+@app.command("make-tiny-model")
+def make_tiny_model(
+    path: Annotated[str, typer.Argument(help="directory to write (created if missing)")],
+    seed: Annotated[int, typer.Option(help="weight seed")] = 0,
+    layers: Annotated[int, typer.Option(help="transformer layers")] = 2,
+    hidden: Annotated[int, typer.Option(help="hidden size")] = 128,
+    heads: Annotated[int, typer.Option(help="attention heads")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="key/value heads")] = 2,
+) -> None:
+    """Write a small random-weight Llama with a byte vocabulary, for `--engine hf` without a download."""
+    try:
+        from workers.engine.hf_model import make_tiny_model as make
+    except ImportError as exc:  # torch/transformers are the optional `engine` extra
+        raise typer.BadParameter(f"needs pip install -e '.[engine]' ({exc})") from None
+    out = make(path, seed=seed, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads)
+    typer.echo(str(out))
 
 
 @app.command()

@@ -32,6 +32,12 @@ class Settings(BaseSettings):
         10.0, description="on SIGTERM: how long in-flight requests and batches may take to finish"
     )
     lifecycle_ttl_s: int = Field(3600, description="how long finished request outcomes are kept")
+    reconcile_interval_ms: int = Field(
+        2000, description="master's reconciler period (leaked holds, dead origins, queued_ms drift)"
+    )
+    reconcile_forget_s: float = Field(
+        60.0, description="a dead replica's reply stream and consumers are deleted after this long"
+    )
     model: str = Field("flexlb-sim", description="served model name (`/v1/models`); others are 404")
     tokenizer: str | None = Field(None, description="path of a local tokenizer.json; unset → byte tokenizer")
     prefill_strategy: str = Field(

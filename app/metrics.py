@@ -366,3 +366,55 @@ DECODE_RESERVE_RETRIES = Counter(
     "Decode reservations retried on another worker after the first choice refused (stale snapshot)",
     registry=REGISTRY,
 )
+
+# ---- reliability (issue 14): every loop error, every reconciler correction, every retried write
+LOOP_ERRORS = Counter(
+    "flexlb_loop_errors_total",
+    "Failed iterations of a background loop (retried with backoff); 0 in a healthy cluster",
+    ["loop"],
+    registry=REGISTRY,
+)
+for _loop in (
+    "membership",
+    "leases",
+    "poller",
+    "owner_read",
+    "owner_decide",
+    "owner_claim",
+    "owner_dispatch",
+    "cache_follower",
+    "replies",
+    "notify",
+    "refresh",
+    "redis_watch",
+    "master",
+    "reconciler",
+    "sweep",
+    "terminal_writes",
+):
+    LOOP_ERRORS.labels(_loop)
+RECONCILED = Counter(
+    "flexlb_reconciled_total",
+    "Corrections made by the master's reconciler, by kind; 0 in a healthy cluster",
+    ["kind"],
+    registry=REGISTRY,
+)
+for _kind in (
+    "hold_released",
+    "record_owner_lost",
+    "queued_tombstoned",
+    "queued_ms_corrected",
+    "reply_stream_deleted",
+    "consumer_deleted",
+    "origin_set_deleted",
+    "record_failed",
+):
+    RECONCILED.labels(_kind)
+TERMINAL_WRITES = Counter(
+    "flexlb_terminal_write_retries_total",
+    "Terminal writes (transition, release, settle, reply) queued locally after Redis failed, by result",
+    ["result"],
+    registry=REGISTRY,
+)
+for _r in ("queued", "applied", "expired", "dropped_full"):
+    TERMINAL_WRITES.labels(_r)

@@ -181,6 +181,7 @@ def run_stack(
     time_scale: float = 1.0,
     log_dir: Path = Path("logs"),
     redis_url: str | None = None,
+    worker_args: list[str] | None = None,
 ) -> int:
     log_dir = _run_dir(log_dir)
     console = Console(log_dir / "up.log")
@@ -201,6 +202,7 @@ def run_stack(
             redis_url = emb.url
         env["FLEXLB_REDIS_URL"] = redis_url
         wargs = ["--profile", profile, "--time-scale", str(time_scale), "--log-level", "WARNING"]
+        wargs += worker_args or []  # e.g. --engine hf --model DIR
         workers = [
             spawn(f"{role}-{i}", ["worker", "--role", role, *wargs], log_dir, env, pipe=True)
             for role, n in (("prefill", prefill), ("decode", decode))

@@ -105,25 +105,39 @@ def worker_pool(worker_tmp: Path) -> Iterator[dict[str, list[WorkerProc]]]:
         "decode": [p for p in procs if p.role == "decode"],
     }
     yield pool
-    alive = [w for ws in pool.values() for w in ws]  # includes workers restarted by _heal_worker_pool
+    alive = [w for ws in pool.values() for w in ws]  # includes workers restarted after a crash
     with ThreadPoolExecutor(len(alive)) as ex:
         list(ex.map(lambda p: p.stop(), alive))
 
 
 @pytest.fixture(autouse=True)
-def _heal_worker_pool(request: pytest.FixtureRequest) -> None:
-    """Replace a pool worker that died (Triton's Python-backend stub has been seen to segfault under
-    heavy load on these 2-core machines), so one crash costs one restart, not every later test.
-    The restart is logged; a test that kills its own worker uses a dedicated one, not the pool."""
+def _pool_worker_crash_is_an_error(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A pool worker that dies during a test is that test's ERROR, with its exit code and log tail
+    (issue 14: a crash must be visible, never silently healed). It is then restarted so the tests
+    after it still run on a full pool. A test that kills a worker on purpose uses its own."""
     if "worker_pool" not in request.fixturenames:
+        yield
         return
     pool = request.getfixturevalue("worker_pool")
     tmp = request.getfixturevalue("worker_tmp")
+    dead_before = _restart_dead(pool, tmp)
+    if dead_before:  # died outside any pool test (between tests): still reported, on this one
+        pytest.fail(f"pool worker(s) died before this test: {dead_before}")
+    yield
+    dead = _restart_dead(pool, tmp)
+    if dead:
+        pytest.fail(f"pool worker(s) died during this test: {dead}")
+
+
+def _restart_dead(pool: dict[str, list[WorkerProc]], tmp: Path) -> list[str]:
+    dead = []
     for role, workers in pool.items():
         for i, w in enumerate(workers):
             if w.proc.poll() is not None:
-                print(f"\n[worker pool] {role} {w.address} died (rc={w.proc.returncode}); restarting it")
+                tail = w.log_path.read_text(errors="replace")[-1500:] if w.log_path.exists() else ""
+                dead.append(f"{role} {w.address} rc={w.proc.returncode}; log tail: {tail}")
                 workers[i] = start_worker(role, tmp, "--profile", "formula", "--formula", "1")
+    return dead
 
 
 @pytest.fixture

@@ -40,6 +40,9 @@ class Gateway:
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if admin else {}
         return httpx.post(self.url + path, headers=headers, timeout=5, **kw)
 
+    def delete(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.delete(self.url + path, timeout=5, **kw)
+
     def readyz(self) -> dict[str, Any]:
         return self.get("/readyz").json()
 

@@ -194,11 +194,8 @@ def test_owner_killed_with_items_queued_and_in_flight(
 
         resps = asyncio.run(run())
         bodies = [r.json() for r in resps]
-        for r, body in zip(resps, bodies, strict=True):
-            assert r.status_code == 200 or body["error"]["code"] in ("worker_error", "deadline_exceeded"), (
-                body
-            )
-        assert sum(1 for r in resps if r.status_code == 200) >= 4
+        # Full survival (issue 14): the owner's death loses no request and ends none typed.
+        assert [r.status_code for r in resps] == [200] * 6, bodies
         assert "claimed" in b.log()
 
         async def records() -> list[dict]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+import uuid
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import redis
@@ -20,7 +24,7 @@ from app.state.embedded_redis import find_redis_server
 from app.state.keys import Keys
 from app.state.store import StateStore
 
-from .conftest import start_worker
+from .conftest import start_worker, worker_call
 from .gateways import Gateway, free_port, start_gateway, wait_for
 
 TTL_S = 3.0
@@ -60,36 +64,45 @@ def two_gateways(worker_pool, redis_url, cluster, tmp_path):
         g.stop()
 
 
-def test_owners_spread_and_move_when_a_replica_dies(two_gateways, redis_url, cluster) -> None:
+def test_owners_spread_and_move_when_a_replica_dies(two_gateways, worker_pool, redis_url, cluster) -> None:
     a, b = two_gateways
     wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="both ready")
     wait_for(lambda: all(owners(a).values()), 10, what="every worker owned")
     held = owners(a)
     assert set(held.values()) == {a.replica_id, b.replica_id}  # spread over both
-    # a record with B as origin and a decode reservation: reaping must end it and release the hold
+    # A real request with B as its origin, holding decode KV while its (slow) prefill runs: when
+    # B dies, reaping must end it `owner_lost` and release the hold. Nothing here writes state the
+    # product would not write itself (the record names its decode worker from creation).
     keys = Keys(cluster)
     r = redis.Redis.from_url(redis_url)
     dec = next(w for w in held if w.startswith("decode"))
+    for w in worker_pool["prefill"]:
+        assert worker_call(w.address, "configure", formula="4000")["ok"]
+    rid = f"req-{uuid.uuid4().hex[:8]}"
 
-    async def seed() -> None:
-        import redis.asyncio as aioredis
+    def call() -> None:
+        with contextlib.suppress(httpx.HTTPError):  # B dies under it, and its client's connection
+            b.post("/v1/generate", json={"prompt": "slow one", "max_new_tokens": 4, "request_id": rid})
 
-        ar = aioredis.from_url(redis_url)
-        st = StateStore(ar, keys)
-        await st.load_scripts()
-        assert await st.create_request("req-1", b.replica_id, {"decode_worker": dec})
-        assert await st.reserve(dec, "req-1", 1000, 100_000)
-        await ar.sadd(keys.origin_requests(b.replica_id), "req-1")
-        await ar.aclose()
-
-    asyncio.run(seed())
-    t0 = time.monotonic()
-    b.kill()
-    wait_for(lambda: set(owners(a).values()) == {a.replica_id}, 2 * TTL_S + 1, what="leases moved to A")
-    moved_s = time.monotonic() - t0
-    assert moved_s <= 2 * TTL_S + 1
-    wait_for(lambda: r.hget(keys.request("req-1"), "state") == b"owner_lost", 2 * TTL_S + 2, what="reaped")
-    assert int(r.hget(keys.reservations(dec), "_total") or 0) == 0
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    try:
+        wait_for(lambda: r.hexists(keys.reservations(dec), rid), 10, what="B's request holds decode KV")
+        assert r.hget(keys.request(rid), "decode_worker") == dec.encode()  # from creation
+        t0 = time.monotonic()
+        b.kill()
+        wait_for(lambda: set(owners(a).values()) == {a.replica_id}, 2 * TTL_S + 1, what="leases moved to A")
+        moved_s = time.monotonic() - t0
+        assert moved_s <= 2 * TTL_S + 1
+        wait_for(lambda: r.hget(keys.request(rid), "state") == b"owner_lost", 2 * TTL_S + 2, what="reaped")
+        assert int(r.hget(keys.reservations(dec), "_total") or 0) == 0
+        # a retry of the id answers the stored outcome, typed, never 500
+        again = a.post("/v1/generate", json={"prompt": "slow one", "max_new_tokens": 4, "request_id": rid})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "owner_lost", again.text
+        assert again.headers.get("Retry-After")
+    finally:
+        for w in worker_pool["prefill"]:
+            worker_call(w.address, "reset")
     live = a.get("/admin/leases", admin=True).json()["live_replicas"]
     assert live == [a.replica_id]
 
@@ -155,7 +168,9 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
         t0 = time.monotonic()
         wait_for(lambda: gw.readyz()["workers"][wid] == "down", bound + 1, what="down on kill")
         assert time.monotonic() - t0 <= bound + 1
-        assert not gw.readyz()["ready"] or True
+        # its only prefill worker is down: the replica says it is not ready, and why
+        ready = gw.readyz()
+        assert not ready["ready"] and "no live prefill worker" in ready["reasons"], ready
         # restart on the same port: new epoch, back up
         own = start_worker(
             "prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest
+from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
@@ -147,10 +147,22 @@ async def _collect(r: Any, req: GenRequest) -> dict[str, Any]:
 
 
 def _stored(outcome: dict[str, Any]) -> dict[str, Any]:
-    if outcome.get("state") != "completed":
+    """The stored outcome of a finished request as the answer to a retry of its id: the result
+    when it completed, else its typed error. Records written before errors were objects carry a
+    plain string; the state then names the code (`owner_lost`), never a 500."""
+    state = str(outcome.get("state", ""))
+    if state != "completed":
         err = outcome.get("error") or {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+        default_code = {
+            "owner_lost": "owner_lost",
+            "timed_out": "deadline_exceeded",
+            "cancelled": "cancelled",
+        }
         raise ApiError(
-            err.get("code", "internal"), err.get("message", f"request ended {outcome.get('state')}")
+            str(err.get("code") or default_code.get(state, "worker_error")),
+            str(err.get("message") or f"request ended {state}"),
         )
     return outcome
 
@@ -277,6 +289,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     req = await _prepare(
         request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
+    req.sampling = sampling_of(body)
     cid = f"cmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -407,6 +420,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         stops,
         body.user,
     )
+    req.sampling = sampling_of(body)
     cid = f"chatcmpl-{req.request_id}"
     created = int(time.time())
     if not body.stream:
@@ -478,6 +492,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         "generate",
         ("max_new_tokens", prompt_field),
     )
+    req.sampling = sampling_of(body)
     if not body.stream:
         return _native(r, await _guarded(request, _collect(r, req)))
 
@@ -537,18 +552,31 @@ def typed_record(rec: dict[str, Any]) -> dict[str, Any]:
 
 @router.delete("/v1/requests/{request_id}")
 async def cancel_request(request_id: str, request: Request) -> JSONResponse:
-    """Cancel from any replica: the origin runs the clean-up (it holds the request's task)."""
+    """Cancel from any replica: the origin runs the clean-up (it holds the request's task).
+
+    Durable (issue 14): the queued prefill is tombstoned at once (its owner's commit drops it), and
+    the cancel is recorded in the origin's cancel set, which the origin drains on its sweep period; the
+    notify message is only the fast path. The answer says what was found: `running` (202),
+    `finished` (200, nothing to cancel), or an unknown id (404)."""
     r = _replica(request)
     rec = await r.store.get_request(request_id)
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
     if rec.get("state") in TERMINAL:
-        return JSONResponse({"request_id": request_id, "state": rec["state"], "cancelled": False})
+        return JSONResponse(
+            {"request_id": request_id, "state": rec["state"], "cancelled": False, "found": "finished"}
+        )
     origin = rec.get("origin", "")
+    if rec.get("prefill_worker"):
+        await r.store.tombstone(rec["prefill_worker"], request_id, 60_000)
     if origin == r.replica_id:
         r.pipeline.cancel_local(request_id)
     else:
-        await r.redis.publish(r.keys.notify(origin), f"cancel:{request_id}")
+        async with r.redis.pipeline(transaction=False) as p:
+            p.sadd(r.keys.cancels(origin), request_id)
+            p.publish(r.keys.notify(origin), f"cancel:{request_id}")
+            await p.execute()
     return JSONResponse(
-        {"request_id": request_id, "state": rec.get("state"), "cancelled": True}, status_code=202
+        {"request_id": request_id, "state": rec.get("state"), "cancelled": True, "found": "running"},
+        status_code=202,
     )

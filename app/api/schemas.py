@@ -263,9 +263,28 @@ class GenerateRequest(BaseModel):
     timeout_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = None
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     priority: JsonInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
+    # Sampling: greedy without `temperature` (or with 0); a real engine samples by them
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
 
     @model_validator(mode="after")
     def _one_input(self) -> GenerateRequest:
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
         return self
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "seed")
+
+
+def sampling_of(body: BaseModel) -> dict[str, float | int] | None:
+    """The sampling fields a request gave, for the engines (None when it gave none: greedy). They
+    travel in the prefill hand-off; a real engine samples by them, the simulated one ignores them.
+    The schemas have checked types and ranges."""
+    out: dict[str, float | int] = {}
+    for name in SAMPLING_FIELDS:
+        v = getattr(body, name, None)
+        if v is not None:
+            out[name] = int(v) % 2**63 if name == "seed" else float(v)  # the engines' seeds are >= 0
+    return out or None

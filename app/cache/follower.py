@@ -5,13 +5,13 @@ request path's connection pool)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
 from app.cache.mirror import CacheMirror
+from app.cluster.loops import LoopHealth
 from app.cluster.poller import unpack_keys
 from app.state.keys import Keys
 from app.state.text import to_str as _s
@@ -27,6 +27,7 @@ class MirrorFollower:
         mirror: CacheMirror,
         workers: Callable[[], list[str]],
         block_ms: int = 500,
+        loops: LoopHealth | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -36,10 +37,13 @@ class MirrorFollower:
         self._cursor: dict[str, str] = {}
         self._task: asyncio.Task[None] | None = None
         self.applied = 0
+        self.loops = loops or LoopHealth()
+        self.gaps = 0  # diffs whose prev_version did not match the mirror (a lost diff): resynced
+        self._gap: set[str] = set()  # workers waiting for a full snapshot after a gap
 
     async def load(self, wid: str) -> None:
         snap = await self.redis.hgetall(self.keys.cache_snapshot(wid))
-        if snap:
+        if snap and b"keys" in snap:  # (only `last_*` fields before the first full snapshot)
             self.mirror.load_snapshot(
                 wid, _s(snap[b"epoch"]), int(snap[b"version"]), unpack_keys(snap[b"keys"])
             )
@@ -65,6 +69,11 @@ class MirrorFollower:
                 continue
             for entry_id, f in entries:
                 self._cursor[wid] = _s(entry_id)
+                full = f.get(b"full") == b"1"
+                if full:
+                    self._gap.discard(wid)
+                elif not await self._in_sequence(wid, _s(f[b"epoch"]), int(f[b"version"]), f.get(b"prev")):
+                    continue
                 ok = self.mirror.apply_diff(
                     wid,
                     _s(f[b"epoch"]),
@@ -77,24 +86,47 @@ class MirrorFollower:
         self.applied += n
         return n
 
+    async def _in_sequence(self, wid: str, epoch: str, version: int, prev: bytes | None) -> bool:
+        """A diff says which version it follows (`prev`). When the mirror is not at that version a
+        diff was lost (stream trimmed, a publish that half-failed): resync that worker — from its
+        stored snapshot when that is recent enough, else by skipping its diffs until the owner's
+        next full snapshot (every ~50 polls). Diffs without `prev` (older owners) are applied."""
+        if wid in self._gap:
+            return False
+        if prev is None:
+            return True
+        m_epoch, m_version = self.mirror.version(wid)
+        if m_epoch != epoch or m_version >= version or m_version >= int(prev):
+            return True  # another epoch, an old diff (the mirror refuses it) or in sequence
+        self.gaps += 1
+        log.warning(
+            "cache diff gap on %s: mirror at v%d, diff follows v%s; resyncing", wid, m_version, _s(prev)
+        )
+        snap = await self.redis.hgetall(self.keys.cache_snapshot(wid))
+        if snap and b"keys" in snap and _s(snap[b"epoch"]) == epoch and int(snap[b"version"]) >= int(prev):
+            self.mirror.load_snapshot(wid, epoch, int(snap[b"version"]), unpack_keys(snap[b"keys"]))
+            return True
+        self._gap.add(wid)
+        return False
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="cache-follower")
+        self.loops.watch(self._task, "cache_follower")
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.step()
+                self.loops.ok("cache_follower")
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis hiccup: retry after a pause, keep the mirror
-                log.warning("cache follower: %s", exc)
-                await asyncio.sleep(0.5)
+            except Exception as exc:  # Redis hiccup: back off and retry, keep the mirror
+                await self.loops.failed("cache_follower", exc)
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task})
 
 
 def _stream_worker(stream: str, keys: Keys) -> str | None:

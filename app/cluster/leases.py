@@ -32,6 +32,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from app.cluster.loops import LoopHealth
 from app.cluster.membership import LuaScript, Membership, as_str, is_noscript, read_members
 from app.cluster.rendezvous import ranked_owners
 from app.state.keys import Keys
@@ -225,6 +226,7 @@ class LeaseManager:
         on_lose: Hook | None = None,
         on_master_acquire: Hook | None = None,
         on_master_lose: Hook | None = None,
+        loops: LoopHealth | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -252,6 +254,8 @@ class LeaseManager:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.ticks = 0
+        self.stepped_down = 0  # times this replica found itself no longer a member and let go
+        self.loops = loops or LoopHealth()
 
     # ---- views ------------------------------------------------------------------------------
     def owned(self) -> dict[str, Lease]:
@@ -295,6 +299,19 @@ class LeaseManager:
         live, workers, master_val = await self._read_cluster()
         me = self.replica_id
         is_live = me in live
+        if not is_live and self.membership is not None and (self._owned or self.master.held):
+            # We woke (SIGSTOP, a long GC, a partition) after our membership expired: the master
+            # may already have reaped us and others may be taking our workers. Step down before
+            # writing anything under these leases — every one is dropped (`on_lose` stops the
+            # pollers and batchers) and released; once our heartbeat is back, rendezvous hands
+            # the workers back on a later tick.
+            log.warning("replica %s is not a live member: stepping down from every lease", me)
+            stale = [*self._owned.values(), *([self.master] if self.master.held else [])]
+            values = [(lease.key, lease.value) for lease in stale]
+            for lease in stale:
+                self._lost(lease)  # stop acting first (locally), then tell Redis
+            await _RELEASE.run_many(self.redis, [([k], [v]) for k, v in values])
+            self.stepped_down += 1
 
         # Workers deregistered while we held them: stop acting, then release below.
         to_release: list[tuple[str, str]] = []
@@ -424,8 +441,11 @@ class LeaseManager:
                 try:
                     async with asyncio.timeout(budget):
                         await self._tick_redis()
+                    self.loops.ok("leases")
                 except Exception as e:  # TimeoutError included: the next tick retries
-                    log.warning("lease tick failed for %s: %r", self.replica_id, e)
+                    # The tick period is the backoff: a lease renew that waits longer is a missed
+                    # renew, and `valid_until` already stops us acting when renewing keeps failing.
+                    self.loops.record("leases", e)
                 next_tick += period
                 if next_tick <= time.monotonic():
                     next_tick = time.monotonic() + period

@@ -24,6 +24,7 @@ import time
 
 from redis.asyncio import Redis
 
+from app.cluster.loops import LoopHealth
 from app.state.keys import Keys
 from app.state.scripting import LuaScript, is_noscript
 from app.state.text import to_str_or_none as as_str
@@ -78,6 +79,7 @@ class Membership:
         ttl_ms: int = 3000,
         *,
         version: str = "",
+        loops: LoopHealth | None = None,
     ) -> None:
         if heartbeat_ms <= 0 or ttl_ms <= heartbeat_ms:
             raise ValueError("membership needs 0 < heartbeat_ms < ttl_ms (a live replica must beat its TTL)")
@@ -88,6 +90,7 @@ class Membership:
         self.heartbeat_ms = heartbeat_ms
         self.ttl_ms = ttl_ms
         self.version = version
+        self.loops = loops or LoopHealth()
         self.started_ms = int(time.time() * 1000)
         self.last_ok: float | None = None  # monotonic time of the last successful heartbeat
         self._stop = asyncio.Event()
@@ -162,8 +165,11 @@ class Membership:
             try:
                 async with asyncio.timeout(period):
                     await self.heartbeat_once()
-            except Exception as e:  # TimeoutError included
-                log.warning("membership heartbeat failed for %s: %r", self.replica_id, e)
+                self.loops.ok("membership")
+            except Exception as e:  # TimeoutError included; counted, retried on the next beat
+                # No extra backoff here: a heartbeat that waits longer than its period is a missed
+                # heartbeat, and the period already spaces the retries.
+                self.loops.record("membership", e)
             next_at += period
             now = time.monotonic()
             if next_at < now:  # fell behind (slow Redis): beat again now, do not burst to catch up

@@ -9,7 +9,6 @@ changed, not the worker's whole state (upstream lesson 5).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -20,19 +19,55 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from app.cluster.health import HealthChange, WorkerHealth
+from app.cluster.loops import LoopHealth
+from app.cluster.membership import LuaScript
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.commit import owed_ms
 from app.state.keys import Keys
 
 log = logging.getLogger("flexlb.poller")
 
-CACHE_STREAM_MAXLEN = 10_000
+# ~200 s of diffs at one per 200 ms poll. A follower that falls further behind sees a gap in the
+# diffs' `prev` versions and resyncs from the stored snapshot (app/cache/follower.py), so a longer
+# history buys nothing; at 10_000 the streams were the soak's largest Redis growth (bench/soak.py:
+# +7,000 entries in 8 min at 40 req/s, still short of the cap).
+CACHE_STREAM_MAXLEN = 1_000
+
+# Owner writes of derived facts, fenced by the owner lease (issue 14, docs/state.md "Fencing
+# rule"): the lease and the written keys share the worker's slot `{w:<id>}`, so the check and the
+# write are one atomic step and a paused stale owner cannot slip a write in after a new holder.
+# ARGV[1] is the expected lease value `holder|fence`; '*' skips the check (no lease: tests, tools).
+
+# KEYS[1] owner lease, KEYS[2] snapshot HASH; ARGV expected, k1, v1, ... → 1 written, -1 fenced out.
+_FENCED_HSET = LuaScript(
+    "if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end "
+    "for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end return 1"
+)
+# KEYS[1] owner lease, KEYS[2] cache snapshot HASH, KEYS[3] cache diff STREAM;
+# ARGV expected, epoch, version, full (0|1), add, rem, prev, maxlen → 1 published, 0 refused as
+# not newer, -1 fenced out. Fenced *and* only-newer-wins on the worker's own (epoch, version): the
+# worker's version grows with every change within an epoch, so a stale full snapshot can never roll
+# the stored one (or a mirror) back, even from a holder the fence let through moments earlier.
+_PUBLISH_CACHE = LuaScript(
+    """
+if ARGV[1] ~= '*' and redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local e = redis.call('HGET', KEYS[2], 'last_epoch')
+local v = tonumber(redis.call('HGET', KEYS[2], 'last_version') or '-1')
+local ver = tonumber(ARGV[3])
+if e == ARGV[2] and (v > ver or (v == ver and ARGV[4] ~= '1')) then return 0 end
+redis.call('HSET', KEYS[2], 'last_epoch', ARGV[2], 'last_version', ARGV[3])
+if ARGV[4] == '1' then
+  redis.call('HSET', KEYS[2], 'epoch', ARGV[2], 'version', ARGV[3], 'keys', ARGV[5])
+end
+redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[8], '*', 'epoch', ARGV[2], 'version', ARGV[3],
+  'full', ARGV[4], 'add', ARGV[5], 'rem', ARGV[6], 'prev', ARGV[7])
+return 1
+"""
+)
 
 
 class SnapshotWriter(Protocol):
     async def write_snapshot(self, wid: str, epoch: str, seq: int, fields: dict[str, Any]) -> bool: ...
-
-    async def update_snapshot_fields(self, wid: str, fields: dict[str, Any]) -> None: ...
 
 
 def pack_keys(keys: list[int]) -> bytes:
@@ -60,6 +95,8 @@ class WorkerPoller:
         is_valid: Callable[[], bool] = lambda: True,
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
         on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
+        loops: LoopHealth | None = None,
+        lease_value: Callable[[], str] | None = None,
     ) -> None:
         self.wid = wid
         self.client = client
@@ -72,6 +109,10 @@ class WorkerPoller:
         self.is_valid = is_valid
         self.on_health = on_health
         self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
+        self.loops = loops or LoopHealth()
+        self.lease_value = lease_value or (lambda: "*")
+        self.fenced_out = 0  # owner writes refused because the lease moved on (a stale owner)
+        self.loop_name = f"poller:{wid}"
         self.since_seq = 0
         self.cache_version: int | None = None
         self.last_status: dict[str, Any] = {}
@@ -84,20 +125,30 @@ class WorkerPoller:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"poll:{self.wid}")
+        self.loops.watch(self._task, self.loop_name)
 
     async def stop(self) -> None:
         self._stopping = True
+        self.loops.forget(self.loop_name)
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await asyncio.wait({self._task})  # never raises: the loop's own errors are counted
 
     async def run(self) -> None:
         while not self._stopping:
             # Lease not valid locally: stop acting (someone else may take over) but do not exit; a
             # late renew can make it valid again, and on_lose stops this loop when it is really gone.
             if self.is_valid():
-                await self.poll_once()
+                try:
+                    await self.poll_once()
+                    self.loops.ok(self.loop_name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # Redis (snapshot, cache diff) failed: the worker's
+                    # gRPC failures never get here (poll_once counts them as health). Back off and
+                    # poll again; the lease stays held, so nobody else would publish for it.
+                    await self.loops.failed(self.loop_name, exc)
+                    continue
             await asyncio.sleep(self.interval_s)
 
     async def poll_once(self) -> None:
@@ -117,7 +168,7 @@ class WorkerPoller:
             if not self.health.routable and self.is_valid():
                 # Health is the owner's own verdict, not the worker's: written directly (the worker's
                 # seq did not move, so the only-newer-wins snapshot script would refuse it).
-                await self.store.update_snapshot_fields(self.wid, {"health": str(self.health.state)})
+                await self._fenced_hset({"health": str(self.health.state)})
             return
         change = self.health.poll_ok(epoch)
         if change is not None and change.epoch_changed:
@@ -178,29 +229,41 @@ class WorkerPoller:
         )
         return owed, float(queued or 0.0), int(reserved or 0), len(ledger)
 
+    async def _fenced_hset(self, fields: dict[str, str]) -> None:
+        """The owner's own verdicts (health) carry no worker seq, so only the lease orders them."""
+        flat = [x for kv in fields.items() for x in kv]
+        keys = [self.keys.owner_lease(self.wid), self.keys.snapshot(self.wid)]
+        if int(await _FENCED_HSET(self.redis, keys, [self.lease_value(), *flat])) == -1:
+            self.fenced_out += 1
+            log.warning("poller %s: health write fenced out (the lease moved on)", self.wid)
+
     async def _publish_cache(self, epoch: str, cache: dict[str, Any]) -> None:
         version = int(cache["version"])
         if not cache["full"] and version == self.cache_version:
             return
-        async with self.redis.pipeline(transaction=False) as p:
-            if cache["full"]:
-                p.hset(
-                    self.keys.cache_snapshot(self.wid),
-                    mapping={"epoch": epoch, "version": version, "keys": pack_keys(cache["added"])},
-                )
-            p.xadd(
-                self.keys.cache_stream(self.wid),
-                {
-                    "epoch": epoch,
-                    "version": version,
-                    "full": int(bool(cache["full"])),
-                    "add": pack_keys(cache["added"]),
-                    "rem": pack_keys(cache["removed"]),
-                },
-                maxlen=CACHE_STREAM_MAXLEN,
-                approximate=True,
-            )
-            await p.execute()
+        # The version this diff follows: a follower whose mirror is elsewhere lost a diff and
+        # resyncs (app/cache/follower.py).
+        prev = -1 if self.cache_version is None else self.cache_version
+        keys = [
+            self.keys.owner_lease(self.wid),
+            self.keys.cache_snapshot(self.wid),
+            self.keys.cache_stream(self.wid),
+        ]
+        args = [
+            self.lease_value(),
+            epoch,
+            version,
+            int(bool(cache["full"])),
+            pack_keys(cache["added"]),
+            pack_keys(cache["removed"]),
+            prev,
+            CACHE_STREAM_MAXLEN,
+        ]
+        res = int(await _PUBLISH_CACHE(self.redis, keys, args))
+        if res == -1:
+            self.fenced_out += 1
+            log.warning("poller %s: cache publish fenced out (the lease moved on)", self.wid)
+            return
         self.cache_version = version
 
     async def _changed(self, change: HealthChange | None) -> None:

@@ -11,62 +11,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.cluster.leases import Lease
+from app.cluster.loops import LoopHealth
+from app.dispatch.claim import OwnerClaims
+from app.dispatch.items import QueueItem, parse_item
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
-from app.state.handoff import GROUP, Handoff, unpack_tokens
+from app.state.connect import redis_client
+from app.state.handoff import GROUP, Handoff
 from app.state.resp import RespConnection, stream_entries
+from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import FencedOut, StateStore
-from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.owner")
 
 
-@dataclass
-class QueueItem:
-    entry_id: str
-    request_id: str
-    origin: str
-    tokens: Any
-    predicted_ms: float
-    deadline_ms: float  # wall ms since the epoch; 0 = none
-    trace_id: str = ""
-    t_handoff: float = 0.0  # wall s when the origin appended it
-    hit_tokens: int = 0  # the origin's expectation from its cache mirror
-    attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
-
-
-def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
-    m = json.loads(f[b"m"])
-    return QueueItem(
-        entry_id=s(entry_id),
-        request_id=str(m["rid"]),
-        origin=str(m["origin"]),
-        tokens=unpack_tokens(f[b"ids"]),
-        predicted_ms=float(m.get("pred", 0.0)),
-        deadline_ms=float(m.get("deadline", 0.0)),
-        trace_id=str(m.get("trace", "")),
-        t_handoff=float(m.get("t", 0.0)),
-        hit_tokens=int(m.get("hit", 0)),
-        attempt=int(m.get("att", 0)),
-    )
-
-
-class OwnerDispatcher:
+class OwnerDispatcher(OwnerClaims):
     def __init__(
         self,
         wid: str,
@@ -81,6 +53,10 @@ class OwnerDispatcher:
         formula: Callable[[], Formula] | None = None,
         time_scale: Callable[[], float] = lambda: 1.0,
         on_worker_error: Callable[[str], None] | None = None,
+        loops: LoopHealth | None = None,
+        terminal: TerminalWrites | None = None,
+        reclaim_idle_ms: int = 5000,
+        reclaim_every_s: float = 2.0,
     ) -> None:
         self.wid = wid
         self.replica_id = replica_id
@@ -94,10 +70,22 @@ class OwnerDispatcher:
         self.formula = formula or (lambda: compile_formula(DEFAULT_PREFILL_FORMULA))
         self.time_scale = time_scale
         self.on_worker_error = on_worker_error
+        self.loops = loops or LoopHealth()
+        self.terminal = terminal or TerminalWrites(self.loops)
+        # Periodic re-claim (XAUTOCLAIM) of pending entries idle this long that no task of ours is
+        # handling: a dispatch whose reply could not be written, a read that died mid-way.
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.reclaim_every_s = reclaim_every_s
+        self._handling: set[str] = set()  # entry ids read and not yet answered by us
+        # Set after the first claim: XAUTOCLAIM takes entries pending for *any* consumer, us
+        # included, so reading new entries before it would hand the claim our own fresh entries
+        # to "redispatch" (cancelling their running batch on the worker).
+        self._claimed_once = asyncio.Event()
+        self.reclaimed = 0
         # Blocking stream reads get their own connection (DESIGN §5): the lean one for the
         # hand-off reads (on every request's path, app/state/resp.py), redis-py for the rest and
         # for URLs the lean client does not speak.
-        self._reader = aioredis.from_url(redis_url, socket_timeout=10.0)
+        self._reader = redis_client(redis_url, socket_timeout=10.0)
         self._lean_reader = RespConnection.from_url(redis_url, timeout_s=10.0)
         self._tasks: list[asyncio.Task[None]] = []
         self._inflight: set[asyncio.Task[None]] = set()
@@ -131,7 +119,10 @@ class OwnerDispatcher:
         self._tasks = [
             asyncio.create_task(self._read_loop(), name=f"owner-read:{self.wid}"),
             asyncio.create_task(self._decide_loop(), name=f"owner-batch:{self.wid}"),
+            asyncio.create_task(self._claim_loop(), name=f"owner-claim:{self.wid}"),
         ]
+        for t, kind in zip(self._tasks, ("owner_read", "owner_decide", "owner_claim"), strict=True):
+            self.loops.watch(t, f"{kind}:{self.wid}")
 
     async def drain(self, deadline_s: float) -> bool:
         """Graceful hand-over before the lease is released: read no more entries, dispatch what
@@ -194,15 +185,17 @@ class OwnerDispatcher:
         self._stopping = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks)  # never raises; a loop that died was reported by watch
+        for kind in ("owner_read", "owner_decide", "owner_claim", "owner_dispatch"):
+            self.loops.forget(f"{kind}:{self.wid}")
         for t in list(self._inflight):
             t.cancel()
-        with contextlib.suppress(Exception):
+        # Closing connections: the lease moved on, there is no state left to protect here.
+        with contextlib.suppress(*TRANSIENT):
             await self._reader.aclose()
         if self._lean_reader is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*TRANSIENT):
                 await self._lean_reader.close()
 
     async def _read_entries(self, key: str) -> list[tuple[Any, dict[bytes, bytes]]]:
@@ -217,123 +210,113 @@ class OwnerDispatcher:
         return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
 
     async def _read_loop(self) -> None:
-        await self.handoff.ensure_group(self.wid)
+        name = f"owner_read:{self.wid}"
         key = self.store.keys.queue(self.wid)
-        with contextlib.suppress(Exception):
-            await self._claim_pending(key)
+        need_group = True
+        await self._claimed_once.wait()
         while not self._stopping and not self._draining:
             if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
                 await asyncio.sleep(0.1)
                 continue
             try:
+                if need_group:  # first read, or the group vanished (Redis came back empty)
+                    await self.handoff.ensure_group(self.wid)
+                    need_group = False
                 entries = await self._read_entries(key)
+                self.loops.ok(name)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # Redis hiccup or the group vanished (Redis rebuilt)
-                log.warning("owner %s read failed: %s", self.wid, exc)
-                await asyncio.sleep(0.2)
-                with contextlib.suppress(Exception):
-                    await self.handoff.ensure_group(self.wid)
+            except Exception as exc:  # Redis hiccup, NOGROUP after a rebuild: count, back off, retry
+                need_group = True
+                await self.loops.failed(name, exc)
                 continue
             now = time.time() * 1000
             for entry_id, fields in entries:
-                self.admit(parse_item(entry_id, fields), now)
-
-    async def _claim_pending(self, key: str) -> None:
-        """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
-        over the previous owner's pending entries. Each is delivered from the worker's finished
-        record, adopted if the worker has it queued or running, or — never seen by the worker —
-        its old batch is tombstoned and it is dispatched once."""
-        claimed: list[QueueItem] = []
-        cursor = "0-0"
-        while self.lease.is_valid():
-            self.store.commands_total += 1
-            res = await self._reader.xautoclaim(key, GROUP, self.replica_id, 0, cursor, count=256)
-            cursor, entries = s(res[0]), res[1]
-            claimed += [parse_item(eid, f) for eid, f in entries if f]
-            if cursor == "0-0" or not entries:
-                break
-        if not claimed:
-            return
-        st = await self.client.status(0, timeout=5.0)
-        finished = {r["request_id"]: r for r in st.get("finished", [])}
-        live = {rid for b in st.get("live", []) for rid in b.get("request_ids", [])}
-        ledger = await self.store.read_ledger(self.wid)
-        log.warning("owner %s: claimed %d pending entries from the previous owner", self.wid, len(claimed))
-        for item in claimed:
-            rec = finished.get(item.request_id)
-            old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
-            if rec is not None:
-                M.CLAIMED.labels("delivered").inc()
-                await self._reply(
-                    item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
-                )
-            elif item.request_id in live:
-                M.CLAIMED.labels("adopted").inc()
-                t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
-                self._inflight.add(t)
-                t.add_done_callback(self._inflight.discard)
-            else:
-                M.CLAIMED.labels("redispatched").inc()
-                self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
-                for bid in old_batches:  # a late arrival of the old batch must not run it twice
-                    with contextlib.suppress(Exception):
-                        await self.client.cancel(bid)
-                    await self.store.settle(self.wid, bid, item.request_id)
-                self.admit(item, time.time() * 1000)
-
-    async def _adopt(self, item: QueueItem, batch_id: str) -> None:
-        """The worker is running it for a dead owner: wait for its finished record, then deliver."""
-        since = 0
-        deadline = item.deadline_ms or (time.time() * 1000 + 120_000)
-        while time.time() * 1000 < deadline and self.lease.is_valid():
-            st = await self.client.status(since, timeout=5.0)
-            for r in st.get("finished", []):
-                since = max(since, int(r["seq"]))
-                if r["request_id"] == item.request_id:
-                    await self._reply(
-                        item, r["batch_id"], {**r, "epoch": st.get("epoch", ""), "worker": self.wid}
-                    )
-                    return
-            await asyncio.sleep(0.1)
-        await self._reply(
-            item, batch_id, {"status": "worker_error", "error": "adopted request never finished"}
-        )
+                item = parse_item(entry_id, fields)
+                self._handling.add(item.entry_id)
+                self.admit(item, now)
 
     async def _decide_loop(self) -> None:
-        while True:
-            if self._stopping:
-                return
-            if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
-                await asyncio.sleep(0.1)
-                continue
-            d = self.decide(time.time() * 1000)
-            for p, code in d.failed:
-                item: QueueItem = p.payload  # type: ignore[assignment]
-                M.BATCH_FAILED.labels(code).inc()
-                await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
-            if d.items:
-                M.BATCH_FLUSHES.labels(d.reason).inc()
-                M.BATCH_SIZE.observe(len(d.items))
-                now = time.time() * 1000
-                for p in d.items:
-                    M.BATCH_WAIT.observe(max(0.0, now - p.arrival_ms) / 1000)
-                t = asyncio.create_task(self._dispatch([p.payload for p in d.items], d.reason))  # type: ignore[misc]
-                self._inflight.add(t)
-                t.add_done_callback(self._batch_done)
-                continue
-            timeout = None
-            if d.wake_at_ms is not None:
-                timeout = max(0.0, d.wake_at_ms - time.time() * 1000) / 1000
-            self.wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout if timeout is not None else 0.5)
+        name = f"owner_decide:{self.wid}"
+        while not self._stopping:
+            try:
+                await self._decide_once()
+                self.loops.ok(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # items stay in the batcher (or pending in the stream): retried
+                await self.loops.failed(name, exc)
+
+    async def _decide_once(self) -> None:
+        """One turn of the batcher: answer what it refused, dispatch what it formed, or wait for
+        the next wake (new items, a finished batch, a config change) or its timer."""
+        if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
+            await asyncio.sleep(0.1)
+            return
+        d = self.decide(time.time() * 1000)
+        if d.failed:
+            await self._take_refused([p.payload for p, _ in d.failed])  # type: ignore[misc]
+        for p, code in d.failed:
+            item: QueueItem = p.payload  # type: ignore[assignment]
+            M.BATCH_FAILED.labels(code).inc()
+            await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
+        if d.items:
+            M.BATCH_FLUSHES.labels(d.reason).inc()
+            M.BATCH_SIZE.observe(len(d.items))
+            now = time.time() * 1000
+            for p in d.items:
+                M.BATCH_WAIT.observe(max(0.0, now - p.arrival_ms) / 1000)
+            t = asyncio.create_task(self._dispatch([p.payload for p in d.items], d.reason))  # type: ignore[misc]
+            self._inflight.add(t)
+            t.add_done_callback(self._batch_done)
+            return
+        timeout = None
+        if d.wake_at_ms is not None:
+            timeout = max(0.0, d.wake_at_ms - time.time() * 1000) / 1000
+        self.wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.wake.wait(), timeout if timeout is not None else 0.5)
+
+    async def _mark_dispatched(self, request_ids: list[str], batch_id: str) -> None:
+        """Informational (GET /v1/requests shows the worker and batch): a failure is logged only;
+        the terminal transition carries the same fields."""
+        try:
+            await self.store.transition_many(
+                request_ids, "dispatched", {"prefill_worker": self.wid, "batch_id": batch_id}
+            )
+        except TRANSIENT as exc:
+            log.debug("owner %s: marking %d requests dispatched failed: %s", self.wid, len(request_ids), exc)
+
+    async def _take_refused(self, items: list[QueueItem]) -> None:
+        """Items the batcher refused leave the queue without a batch: their predicted ms come
+        off the worker's queued_ms, or the worker looks busier forever (issue 14). Done by the
+        fenced commit script with no members under a fresh id — it takes `take_ms` once, only for
+        the lease holder, and writes no ledger entry. A failure here is repaired by the
+        reconciler, which recomputes queued_ms from the queue."""
+        take = sum(i.predicted_ms for i in items)
+        if take <= 0:
+            return
+        try:
+            await self.store.commit_batch(
+                self.wid,
+                f"r-{uuid.uuid4().hex[:16]}",
+                [],
+                0.0,
+                time.time() * 1000,
+                self.lease.fence,
+                self.replica_id,
+                take_ms=take,
+            )
+        except FencedOut:
+            return
+        except TRANSIENT as exc:
+            log.warning("owner %s: taking %.1f refused ms off queued_ms failed: %s", self.wid, take, exc)
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
         self.batch_finished()
 
-    # ---- the decisions, without I/O (the simulator makes the same ones: tests/test_live_sim_equivalence.py)
+    # ---- the decisions, without I/O (the simulator makes the same: tests/test_live_sim_equivalence.py)
     def admit(self, item: QueueItem, now_ms: float) -> None:
         """A hand-off read from the queue (or claimed) joins the batcher, stamped with when the
         owner read it and its predicted ms in the batcher's (wall) clock."""
@@ -385,6 +368,15 @@ class OwnerDispatcher:
         except FencedOut:
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
             return
+        except TRANSIENT as exc:
+            # Committed or not, nothing was sent to the worker: the entries stay pending and the
+            # periodic re-claim takes them up again (a committed batch the worker never saw is
+            # settled and its members dispatched once, as for a dead owner's).
+            self.loops.record(f"owner_dispatch:{self.wid}", exc)
+            for i in items:
+                self._handling.discard(i.entry_id)
+            return
+        self.loops.ok(f"owner_dispatch:{self.wid}")
         for rid in set(by_id) - set(kept):  # cancelled while queued: tombstoned before the commit
             await self._reply(
                 by_id[rid], batch_id, {"status": "cancelled", "error": "cancelled while queued"}
@@ -395,9 +387,7 @@ class OwnerDispatcher:
         self.dispatched += 1
         # Off the critical path: GET /v1/requests shows `dispatched` with the worker and batch.
         mark = asyncio.create_task(
-            self.store.transition_many(
-                [i.request_id for i in live], "dispatched", {"prefill_worker": self.wid, "batch_id": batch_id}
-            )
+            self._mark_dispatched([i.request_id for i in live], batch_id), name="owner-mark"
         )
         self._marks.add(mark)
         mark.add_done_callback(self._marks.discard)
@@ -430,7 +420,11 @@ class OwnerDispatcher:
         )
         try:
             async for ev in self.client.prefill(
-                batch_id, epoch, [(i.request_id, i.tokens) for i in live], timeout=timeout
+                batch_id,
+                epoch,
+                [(i.request_id, i.tokens) for i in live],
+                timeout=timeout,
+                sampling=[i.sampling for i in live],
             ):
                 if ev.event == "accepted":
                     accepted = True
@@ -466,7 +460,10 @@ class OwnerDispatcher:
             answered.update(i.request_id for i in live)
             raise
         except (WorkerUnavailable, TimeoutError) as exc:
-            if self._stopping:  # grpc.aio turned our own cancel into an RPC error: as above
+            if self._stopping or not self.lease.is_valid():
+                # Our own cancel that grpc.aio turned into an RPC error, or we are a stale owner
+                # (paused past the lease): as above, the entries stay pending for the new owner,
+                # who adopts or dispatches them — a stale failure must not end a running request.
                 answered.update(i.request_id for i in live)
                 return
             if self.on_worker_error is not None:
@@ -476,10 +473,11 @@ class OwnerDispatcher:
                     answered.add(item.request_id)
                     await self._reply(item, batch_id, _failure("worker_error", str(exc)[:300], accepted))
         finally:
+            if not self.lease.is_valid():  # stale: the new owner answers what is left
+                answered.update(i.request_id for i in live)
             for item in live:
-                if item.request_id not in answered:
-                    with contextlib.suppress(Exception):
-                        await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))
+                if item.request_id not in answered:  # _reply never raises: it queues on failure
+                    await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))
             self._batch_sizes.pop(batch_id, None)
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
@@ -491,9 +489,20 @@ class OwnerDispatcher:
             "att": str(item.attempt),
             **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
         }
-        await self.handoff.reply_and_settle(
-            item.origin, fields, self.wid, batch_id, item.request_id, item.entry_id
-        )
+
+        async def write() -> None:
+            await self.handoff.reply_and_settle(
+                item.origin, fields, self.wid, batch_id, item.request_id, item.entry_id
+            )
+            self._handling.discard(item.entry_id)
+
+        # A reply that Redis did not take is retried from the bounded local queue (issue 14):
+        # the origin is waiting for it, and the entry stays pending (and ours) until it is written.
+        try:
+            await self.terminal.run_or_queue(f"reply {item.request_id}", write)
+        except RedisError as exc:  # not transient (a script error): never retried as it is
+            self.loops.record(f"owner_dispatch:{self.wid}", exc)
+            self._handling.discard(item.entry_id)  # the periodic re-claim answers it again
 
 
 def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:

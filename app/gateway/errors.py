@@ -38,6 +38,9 @@ KINDS: dict[str, ErrorKind] = {
     "no_worker": ErrorKind(503, "service_unavailable", True),
     "state_unavailable": ErrorKind(503, "service_unavailable", True),
     "draining": ErrorKind(503, "service_unavailable", True),
+    # The request's origin replica died (or stalled past its membership) before it finished;
+    # the master's reconciler ended it. Retrying the id returns this outcome.
+    "owner_lost": ErrorKind(503, "service_unavailable", True),
     "worker_error": ErrorKind(502, "server_error", True),
     "deadline_exceeded": ErrorKind(504, "timeout_error", True),
     "cancelled": ErrorKind(499, "cancelled", False),
@@ -69,8 +72,11 @@ class ApiError(Exception):
     def response(self) -> JSONResponse:
         M.REJECTIONS.labels(self.code).inc()  # every error status a client gets goes through here
         headers = {}
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
+        retry_after = self.retry_after_s
+        if retry_after is None and self.status in (429, 503):
+            retry_after = 1  # every 429/503 says when to come back, wherever it was raised
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(retry_after)))
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -17,15 +17,15 @@ import time
 import uuid
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from app import metrics as M
 from app.cache.follower import MirrorFollower
 from app.cache.mirror import CacheMirror
 from app.cluster.health import HealthChange
 from app.cluster.leases import LeaseManager
+from app.cluster.loops import LoopHealth
 from app.cluster.membership import Membership
 from app.cluster.poller import WorkerPoller
+from app.cluster.reconciler import Reconciler
 from app.cluster.registry import Registry, WorkerSpec
 from app.config import Settings
 from app.dispatch.owner import OwnerDispatcher
@@ -35,8 +35,10 @@ from app.rpc.worker_client import WorkerClient
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.policy import DECODE, PREFILL, Policy, batching_config, runtime_book
+from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
+from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import StateStore
 from app.state.text import to_str as _s
 from app.tokens.tokenizer import load_tokenizer
@@ -58,12 +60,16 @@ class Replica:
         self.replica_id = settings.replica_id or default_replica_id()
         self.address = settings.advertise_address or f"{settings.host}:{settings.port}"
         self.keys = Keys(settings.cluster)
-        self.redis = aioredis.from_url(
+        # Every background loop reports here (errors counted, backoff, /readyz names a loop that
+        # cannot run); terminal writes that Redis refused wait in `terminal` (issue 14).
+        self.loops = LoopHealth()
+        self.terminal = TerminalWrites(self.loops)
+        self.redis = redis_client(
             redis_url, socket_timeout=2.0, socket_connect_timeout=2.0, max_connections=512
         )
         # Heartbeats and lease renewals get their own small pool: a burst of requests exhausting the
         # request path's connections must never make this replica lose its leases.
-        self.control_redis = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.control_redis = redis_client(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         # The origin's one serial round trip (record + reserve + hand-off) runs on a lean pipelined
         # connection (see app/state/resp.py for the measured why); None for URLs it cannot speak
         # (TLS, sentinels), which then take redis-py's pipeline.
@@ -79,6 +85,7 @@ class Replica:
             self.address,
             settings.heartbeat_ms,
             settings.member_ttl_ms,
+            loops=self.loops,
         )
         self.leases = LeaseManager(
             self.control_redis,
@@ -90,6 +97,7 @@ class Replica:
             on_lose=self._on_lose,
             on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
             on_master_lose=lambda: self._lease_metric("master", "lost"),
+            loops=self.loops,
         )
         self.mirror = CacheMirror(
             settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
@@ -97,10 +105,11 @@ class Replica:
         self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.follower = MirrorFollower(
-            aioredis.from_url(redis_url, socket_timeout=5.0),
+            redis_client(redis_url, socket_timeout=5.0),
             self.keys,
             self.mirror,
             lambda: self.prefill_ids(),
+            loops=self.loops,
         )
         self.clients: dict[str, WorkerClient] = {}
         self.pollers: dict[str, WorkerPoller] = {}
@@ -116,9 +125,19 @@ class Replica:
         self.batcher_config = self._batching(BatcherConfig(), {})
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
         self.snapshot_time: dict[str, float] = {}
-        self.replies = ReplyRouter(redis_url, self.keys, self.replica_id)
+        self.reconciler = Reconciler(
+            self.redis,
+            self.keys,
+            self.store,
+            self.membership.live_members,
+            lambda: self.workers,
+            forget_after_s=settings.reconcile_forget_s,
+        )
+        self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(self)
-        self.notify = NotifyListener(redis_url, self.keys, self.replica_id, self.pipeline.cancel_local)
+        self.notify = NotifyListener(
+            redis_url, self.keys, self.replica_id, self.pipeline.cancel_local, self.loops
+        )
         self.redis_ok = False
         self.redis_reason = "not connected yet"
         self.cluster_epoch: str | None = None
@@ -150,6 +169,7 @@ class Replica:
             reasons.append("no live prefill worker")
         if not any(self.worker_up(w) for w in self.decode_ids()):
             reasons.append("no live decode worker")
+        reasons += self.loops.problems()
         return not reasons, reasons
 
     def client(self, wid: str) -> WorkerClient:
@@ -214,11 +234,19 @@ class Replica:
             await self.registry.add(self.seed_workers)
         await self.refresh_registry()
         await self.membership.heartbeat_once()
+        # Known to the reconciler from now on: if this replica dies, its leftovers are found here.
+        await self.redis.sadd(self.keys.replicas_seen, self.replica_id)
         self.membership.start()
         self.leases.start()
         self.follower.start()
-        for coro in (self._redis_watch(), self._refresh_loop(), self._master_loop()):
-            self._tasks.append(asyncio.create_task(coro))
+        for name, coro in (
+            ("redis_watch", self._redis_watch()),
+            ("refresh", self._refresh_loop()),
+            ("master", self._master_loop()),
+        ):
+            task = asyncio.create_task(coro, name=name)
+            self.loops.watch(task, name)
+            self._tasks.append(task)
 
     async def _connect(self) -> None:
         deadline = time.monotonic() + 10
@@ -266,9 +294,8 @@ class Replica:
         self.draining = True
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if self._tasks:
+            await asyncio.wait(self._tasks)  # never raises; a loop that died was reported by watch
         for p in list(self.pollers.values()):
             await _stop_poller(p)
         self.pollers.clear()
@@ -278,27 +305,31 @@ class Replica:
         await self.replies.stop()
         await self.notify.stop()
         await self.follower.stop()
-        with contextlib.suppress(Exception):
+        await self.terminal.stop()
+        # Leaving: a lease or membership entry Redis did not take back expires by its TTL, and
+        # connections that fail to close are gone with the process. Named errors only.
+        try:
             if drain:
                 await self.leases.drain()
             await self.leases.stop()
-        with contextlib.suppress(Exception):
+        except TRANSIENT as exc:
+            log.warning("releasing leases on stop failed (they expire by TTL): %r", exc)
+        try:
             if drain:
                 await self.membership.leave()
             else:
                 await self.membership.stop()
+        except TRANSIENT as exc:
+            log.warning("leaving membership on stop failed (it expires by TTL): %r", exc)
         for c in self.clients.values():
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*TRANSIENT):
                 await c.close()
-        with contextlib.suppress(Exception):
-            await self.redis.aclose()
+        for conn in (self.redis, self.follower.redis, self.control_redis):
+            with contextlib.suppress(*TRANSIENT):
+                await conn.aclose()
         if self.fast_redis is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*TRANSIENT):
                 await self.fast_redis.close()
-        with contextlib.suppress(Exception):
-            await self.follower.redis.aclose()
-        with contextlib.suppress(Exception):
-            await self.control_redis.aclose()
 
     # ---- owner hooks ---------------------------------------------------------------------
     def _lease_metric(self, kind: str, change: str) -> None:
@@ -331,6 +362,8 @@ class Replica:
             else (lambda: not self.draining and wid in self.leases.owned()),
             on_health=self._on_health,
             on_status=self._audit,
+            loops=self.loops,
+            lease_value=(lambda: lease.value) if lease is not None else None,
         )
         self.pollers[wid] = poller
         poller.start()
@@ -347,6 +380,8 @@ class Replica:
                 formula=lambda: self.formula,
                 time_scale=lambda: float(self.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0),
                 on_worker_error=lambda w: None,
+                loops=self.loops,
+                terminal=self.terminal,
             )
             self.dispatchers[wid] = d
             d.start()
@@ -398,7 +433,7 @@ class Replica:
         M.retain_workers(self.workers)  # series leave with their worker, whoever removed it
         for wid in list(self.clients):
             if wid not in self.workers:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*TRANSIENT):  # a removed worker's channel: just let go
                     await self.clients.pop(wid).close()
                 M.remove_worker_series(wid)
 
@@ -429,8 +464,10 @@ class Replica:
                 await self.apply_runtime_config()
                 M.OWNED_WORKERS.set(len(self.leases.owned()))
                 M.IS_MASTER.set(1 if self.leases.is_master() else 0)
-            except Exception as exc:
-                log.debug("refresh failed: %s", exc)
+                self.loops.ok("refresh")
+            except Exception as exc:  # keep the last views; count, back off, retry
+                await self.loops.failed("refresh", exc)
+                continue
             await asyncio.sleep(interval)
 
     async def _redis_watch(self) -> None:
@@ -446,7 +483,10 @@ class Replica:
                     log.info("redis reachable again")
                 self.redis_ok, self.redis_reason = True, ""
                 M.REDIS_UP.set(1)
+                self.loops.ok("redis_watch")
             except Exception as exc:
+                # Counted, not backed off: this loop *is* the probe that says when Redis is back.
+                self.loops.record("redis_watch", exc)
                 if self.redis_ok:
                     log.error("redis unreachable: %s", exc)
                 self.redis_ok, self.redis_reason = False, str(exc) or type(exc).__name__
@@ -473,13 +513,24 @@ class Replica:
         await self.store.load_scripts()
         await self.registry.add(specs)
         await self.membership.heartbeat_once()
+        await self.redis.sadd(self.keys.replicas_seen, self.replica_id)
         for p in self.pollers.values():
             p.cache_version = None
             p.since_seq = 0
 
     async def _master_loop(self) -> None:
+        next_reconcile = next_sweep = 0.0
         while not self.draining:
             await asyncio.sleep(self.settings.heartbeat_ms / 1000)
+            if time.monotonic() >= next_sweep:  # every replica, for its own requests
+                next_sweep = time.monotonic() + self.settings.reconcile_interval_ms / 1000
+                try:
+                    await self.reconciler.sweep_own(
+                        self.replica_id, self._running, self.pipeline.cancel_local
+                    )
+                    self.loops.ok("sweep")
+                except Exception as exc:  # the next period retries; the sweep is idempotent
+                    self.loops.record("sweep", exc)
             if not self.leases.is_master():
                 continue
             try:
@@ -489,23 +540,22 @@ class Replica:
                     await self.reap_origin(dead)
                     M.REAPED_REPLICAS.inc()
                     log.warning("reaped dead replica %s", dead)
-            except Exception as exc:
-                log.debug("master loop: %s", exc)
+                if time.monotonic() >= next_reconcile:
+                    next_reconcile = time.monotonic() + self.settings.reconcile_interval_ms / 1000
+                    await self.reconciler.run_once()
+                self.loops.ok("master")
+            except Exception as exc:  # the next period retries; reaping is idempotent
+                self.loops.record("master", exc)
+
+    def _running(self, rid: str) -> bool:
+        """A request this replica still runs, or whose terminal write waits for Redis."""
+        return rid in self.pipeline.live or self.terminal.pending(f"finish {rid}")
 
     async def reap_origin(self, dead: str) -> int:
         """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live
-        requests ends `owner_lost` and every hold (decode reservation) is released."""
-        ids = [_s(x) for x in await self.redis.smembers(self.keys.origin_requests(dead))]
-        n = 0
-        for rid in ids:
-            rec = await self.store.get_request(rid)
-            if rec is not None:
-                if rec.get("decode_worker"):
-                    await self.store.release(rec["decode_worker"], rid)
-                if await self.store.transition(rid, "owner_lost", outcome={"error": "origin replica died"}):
-                    n += 1
-            await self.redis.srem(self.keys.origin_requests(dead), rid)
-        return n
+        requests ends `owner_lost`, its hold is released and its queued prefill tombstoned (the
+        reconciler's step, run at once when the master reaps the replica)."""
+        return await self.reconciler.end_origin(dead, {}, self.prefill_ids())
 
 
 BATCHER_KEYS = {

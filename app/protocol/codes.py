@@ -19,3 +19,4 @@ class EngineStatus(StrEnum):
 
 
 FINISH_LENGTH = "length"
+FINISH_STOP = "stop"  # decode met an end-of-sequence token (real engines only)

@@ -17,6 +17,10 @@ P_EPOCH: Final = "epoch"  # BYTES [1], expected worker epoch ("" = do not check;
 P_REQUEST_IDS: Final = "request_ids"  # BYTES [n]
 P_INPUT_IDS: Final = "input_ids"  # INT32 [sum(lengths)], every prompt concatenated
 P_INPUT_LENGTHS: Final = "input_lengths"  # INT32 [n]
+# optional sampling fields, one per prompt (a real engine uses them; the simulated one ignores them)
+P_TEMPERATURE: Final = "temperature"  # FP64 [n], 0 = greedy
+P_TOP_P: Final = "top_p"  # FP64 [n], 1 = no nucleus cut
+P_SEED: Final = "seed"  # INT64 [n], -1 = the engine picks one
 
 # prefill outputs (every event carries all of them; arrays empty where they do not apply)
 P_EVENT: Final = "event"  # BYTES [1]: accepted | results | final | error
@@ -40,6 +44,10 @@ D_MAX_NEW_TOKENS: Final = "max_new_tokens"  # INT32 [1] tokens this engine gener
 D_FIRST_INDEX: Final = "first_index"  # INT32 [1] optional, default 1 (token 0 came from prefill)
 D_KV_WORKER: Final = "kv_worker"  # BYTES [1] optional, prefill worker host:grpc_port holding the KV
 D_KV_EPOCH: Final = "kv_epoch"  # BYTES [1] optional, that worker's epoch
+# optional: override the sampling fields the KV frame carries from prefill (same meaning as P_*)
+D_TEMPERATURE: Final = "temperature"  # FP64 [1]
+D_TOP_P: Final = "top_p"  # FP64 [1]
+D_SEED: Final = "seed"  # INT64 [1]
 
 # decode outputs
 D_EVENT: Final = "event"  # BYTES [1]: tokens | finish

@@ -6,23 +6,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from app.cluster.loops import LoopHealth
+from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection, stream_entries
 from app.state.text import to_str as s
 
 log = logging.getLogger("flexlb.origin")
 
+_CLOSE_ERRORS = (RedisError, OSError)
+
 
 class ReplyRouter:
     """Routes each reply-stream entry to the future of the request waiting for it."""
 
-    def __init__(self, redis_url: str, keys: Keys, replica_id: str) -> None:
-        self.redis = aioredis.from_url(redis_url, socket_timeout=10.0)
+    def __init__(self, redis_url: str, keys: Keys, replica_id: str, loops: LoopHealth | None = None) -> None:
+        self.loops = loops or LoopHealth()
+        self.redis = redis_client(redis_url, socket_timeout=10.0)
         # The blocking reads go over the lean connection where the URL allows (app/state/resp.py):
         # every request's result comes this way.
         self._lean = RespConnection.from_url(redis_url, timeout_s=10.0)
@@ -49,17 +55,24 @@ class ReplyRouter:
         info = await self.redis.xinfo_stream(self.key) if await self.redis.exists(self.key) else None
         last = s(info["last-generated-id"]) if info else "0-0"
         self._task = asyncio.create_task(self._run(last), name="replies")
+        self.loops.watch(self._task, "replies")
 
     async def _run(self, last: str) -> None:
+        trimmed_at = 0.0
         while True:
             try:
                 entries = await self._read(last)
+                self.loops.ok("replies")
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
-                log.warning("reply stream read failed: %s", exc)
-                await asyncio.sleep(0.2)
+            except Exception as exc:  # Redis away: the owners retry their replies meanwhile
+                await self.loops.failed("replies", exc)
                 continue
+            if entries and time.monotonic() - trimmed_at >= 1.0:
+                # Entries read are delivered (or parked in `_early`): trim them once a second so
+                # the stream stays near empty instead of growing to its MAXLEN cap.
+                trimmed_at = time.monotonic()
+                await self._trim(s(entries[-1][0]))
             for entry_id, f in entries:
                 last = s(entry_id)
                 fields = {s(k): s(v) for k, v in f.items()}
@@ -72,6 +85,12 @@ class ReplyRouter:
                     while len(self._early) > 10_000:
                         self._early.pop(next(iter(self._early)))
 
+    async def _trim(self, upto: str) -> None:
+        try:
+            await self.redis.xtrim(self.key, minid=upto)
+        except RedisError as exc:  # the next trim catches up
+            log.debug("reply stream trim failed: %s", exc)
+
     async def _read(self, last: str) -> list[tuple[Any, dict[Any, Any]]]:
         if self._lean is not None:
             reply = await self._lean.call("XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", self.key, last)
@@ -82,20 +101,27 @@ class ReplyRouter:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        with contextlib.suppress(Exception):
+            await asyncio.wait({self._task})
+        with contextlib.suppress(*_CLOSE_ERRORS):  # closing: nothing left to protect
             await self.redis.aclose()
         if self._lean is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(*_CLOSE_ERRORS):
                 await self._lean.close()
 
 
 class NotifyListener:
     """Cancels addressed to this replica: `cancel:<request_id>`."""
 
-    def __init__(self, redis_url: str, keys: Keys, replica_id: str, on_cancel: Callable[[str], Any]) -> None:
-        self.redis = aioredis.from_url(redis_url)
+    def __init__(
+        self,
+        redis_url: str,
+        keys: Keys,
+        replica_id: str,
+        on_cancel: Callable[[str], Any],
+        loops: LoopHealth | None = None,
+    ) -> None:
+        self.loops = loops or LoopHealth()
+        self.redis = redis_client(redis_url)
         self.channel = keys.notify(replica_id)
         self.on_cancel = on_cancel
         self._task: asyncio.Task[None] | None = None
@@ -104,18 +130,22 @@ class NotifyListener:
         self._pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
         await self._pubsub.subscribe(self.channel)
         self._task = asyncio.create_task(self._run(), name="notify")
+        self.loops.watch(self._task, "notify")
 
     async def _run(self) -> None:
+        resubscribe = False
         while True:
             try:
+                if resubscribe:
+                    await self._pubsub.subscribe(self.channel)
+                    resubscribe = False
                 msg = await self._pubsub.get_message(timeout=1.0)
+                self.loops.ok("notify")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                log.warning("notify channel failed: %s", exc)
-                await asyncio.sleep(0.5)
-                with contextlib.suppress(Exception):
-                    await self._pubsub.subscribe(self.channel)
+                resubscribe = True
+                await self.loops.failed("notify", exc)
                 continue
             if msg and msg.get("type") == "message":
                 data = s(msg["data"])
@@ -125,8 +155,7 @@ class NotifyListener:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        with contextlib.suppress(Exception):
+            await asyncio.wait({self._task})
+        with contextlib.suppress(*_CLOSE_ERRORS):
             await self._pubsub.aclose()
             await self.redis.aclose()

@@ -14,7 +14,7 @@ per request. tritonclient still supplies the protobuf types and `InferResult` fo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,8 +170,12 @@ class WorkerClient:
         epoch: str,
         requests: Sequence[tuple[str, np.ndarray]],
         timeout: float | None = None,
+        sampling: Sequence[Mapping[str, Any] | None] | None = None,
     ) -> AsyncIterator[PrefillEvent]:
         """Stream one batch: `accepted`, then `results` events, then `final` (or `error`).
+
+        `sampling`: per request, None or {"temperature", "top_p", "seed"} (any may be absent);
+        the tensors travel only when some request has a field, so a greedy batch costs nothing.
 
         An empty batch is refused here: Triton cannot carry zero-length tensors reliably (the
         call never answers), so it must not reach the wire."""
@@ -190,6 +194,8 @@ class WorkerClient:
             _inp(W.P_INPUT_IDS, ids, "INT32"),
             _inp(W.P_INPUT_LENGTHS, lens, "INT32"),
         ]
+        if sampling is not None and any(sampling):
+            inputs.extend(_sampling_inputs(list(sampling), W.P_TEMPERATURE, W.P_TOP_P, W.P_SEED))
         async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
             ev = _prefill_event(r)
             yield ev
@@ -208,6 +214,7 @@ class WorkerClient:
         kv_epoch: str = "",
         first_index: int = 1,
         timeout: float | None = None,
+        sampling: Mapping[str, Any] | None = None,
     ) -> AsyncIterator[DecodeEvent]:
         inputs = [
             _inp(W.D_REQUEST_ID, _b([request_id]), "BYTES"),
@@ -218,6 +225,8 @@ class WorkerClient:
             _inp(W.D_KV_WORKER, _b([kv_worker]), "BYTES"),
             _inp(W.D_KV_EPOCH, _b([kv_epoch]), "BYTES"),
         ]
+        if sampling:
+            inputs.extend(_sampling_inputs([sampling], W.D_TEMPERATURE, W.D_TOP_P, W.D_SEED))
         finish: DecodeEvent | None = None
         async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
             # An event carries only its own tensors (docs/worker-protocol.md §5): absent = empty.
@@ -243,6 +252,22 @@ class WorkerClient:
             finish = ev
         if finish is not None:
             yield finish
+
+
+def _sampling_inputs(
+    per_request: list[Mapping[str, Any] | None], t_name: str, p_name: str, s_name: str
+) -> list[Input]:
+    """Sampling tensors, one entry per request; absent fields get the neutral value (greedy,
+    no nucleus cut, engine-chosen seed), documented in docs/worker-protocol.md §4.1."""
+
+    def values(name: str, default: float) -> list[float]:
+        return [default if (s or {}).get(name) is None else float((s or {})[name]) for s in per_request]
+
+    return [
+        _inp(t_name, np.array(values("temperature", 0.0), dtype=np.float64), "FP64"),
+        _inp(p_name, np.array(values("top_p", 1.0), dtype=np.float64), "FP64"),
+        _inp(s_name, np.array(values("seed", -1), dtype=np.int64), "INT64"),
+    ]
 
 
 def _first(r: Any, name: str, default: Any) -> Any:

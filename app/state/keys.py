@@ -36,6 +36,12 @@ class Keys:
         return f"{self.prefix}:lease:fence"
 
     @property
+    def replicas_seen(self) -> str:
+        """SET of every replica id that ever started: the reconciler finds dead replicas' leftovers
+        (reply stream, live set, queue-group consumers) through it without a keyspace SCAN."""
+        return f"{self.prefix}:replicas"
+
+    @property
     def workers(self) -> str:
         """SET of registered worker ids."""
         return f"{self.prefix}:workers"
@@ -115,6 +121,11 @@ class Keys:
     def origin_requests(self, rid: str) -> str:
         """SET of live request ids this replica originated (reaped when it dies)."""
         return self.r(rid, "live")
+
+    def cancels(self, rid: str) -> str:
+        """SET of request ids cancelled through another replica, for this origin to act on: the
+        durable half of a cancel (the notify message is only the fast path, at most once)."""
+        return self.r(rid, "cancels")
 
     # ---- per request -----------------------------------------------------------------------
     def request(self, request_id: str) -> str:

@@ -191,12 +191,17 @@ return 1
 # nothing leaves it. The caller passes terminal states with rank 100: any non-terminal state may
 # end, once. The outcome JSON is built by the caller and stored verbatim (no cjson round trip,
 # which would turn `[]` into `{}` and round floats).
+# One exception to "nothing leaves a terminal state": `owner_lost` is the master's presumption
+# about an origin it stopped hearing from. An origin that was only stalled (SIGSTOP, a long pause)
+# and then completed the request for its client replaces it with `completed` — the client got its
+# answer, so the record must say so (issue 14). Nothing else leaves `owner_lost`.
 TRANSITION = (
     _NOW_MS
     + """
-local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3}
+local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3, owner_lost = -1}
 local cur = redis.call('HGET', KEYS[1], 'state')
 if not cur then return 0 end
+if cur == 'owner_lost' and ARGV[1] ~= 'completed' then return 0 end
 local cur_rank = ranks[cur]
 if cur_rank == nil then return 0 end
 if tonumber(ARGV[2]) <= cur_rank then return 0 end

@@ -13,7 +13,10 @@ per peer; a peer that answers that op with an error (an older worker) is claimed
 depends on which loop PyTriton runs an infer function on.
 
 Wire format (docs/worker-protocol.md §5): request `{"id": n, "request_id": r, "epoch": e}` and
-answer `{"id": n, "status": s}`, one JSON object per line; answers may come out of order.
+answer `{"id": n, "status": s}`, one JSON object per line; answers may come out of order. A real
+engine's decode worker adds `"fetch": true`: an `ok` answer then carries `"frame_bytes": N` and is
+followed on the connection by N bytes, the request's KV frame (kv_frames.py), and the handle is
+released as by a claim.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ log = logging.getLogger("flexlb.worker.kv")
 T = TypeVar("T")
 
 MAX_LINE = 4096  # a claim is ~100 bytes; a longer line is a wrong client: its connection is closed
+MAX_FRAME_BYTES = 1 << 30  # a longer announced frame is a wrong peer: its connection is closed
+
+Answer = tuple[str, bytes | None]  # (status, KV frame or None)
 
 
 class SideLoop:
@@ -65,8 +71,13 @@ class SideLoop:
 class KvClaimServer:
     """Prefill side: answers claims with `claim(request_id, epoch) -> status`."""
 
-    def __init__(self, claim: Callable[[str, str], Awaitable[str]]) -> None:
+    def __init__(
+        self,
+        claim: Callable[[str, str], Awaitable[str]],
+        fetch: Callable[[str, str], Awaitable[Answer]] | None = None,
+    ) -> None:
         self._claim = claim
+        self._fetch = fetch  # a real engine: hand over the KV frame with the claim
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
@@ -100,17 +111,26 @@ class KvClaimServer:
 
     async def _answer(self, line: bytes, writer: asyncio.StreamWriter) -> None:
         msg_id: Any = None
+        frame: bytes | None = None
         try:
             msg = json.loads(line)
             msg_id = msg["id"]
-            status = await self._claim(str(msg["request_id"]), str(msg.get("epoch") or ""))
+            rid, epoch = str(msg["request_id"]), str(msg.get("epoch") or "")
+            if msg.get("fetch") and self._fetch is not None:
+                status, frame = await self._fetch(rid, epoch)
+            else:
+                status = await self._claim(rid, epoch)
         except (ValueError, KeyError, TypeError):
             status = EngineStatus.INVALID
         except Exception:  # an engine failure is the claimer's "no KV", never a silent hang
             log.exception("kv claim failed")
             status = EngineStatus.ENGINE_ERROR
         if not writer.is_closing():
-            writer.write(json.dumps({"id": msg_id, "status": str(status)}).encode() + b"\n")
+            answer: dict[str, Any] = {"id": msg_id, "status": str(status)}
+            if frame is not None:
+                answer["frame_bytes"] = len(frame)
+            # One write: the line and its frame can never interleave with another answer's.
+            writer.write(json.dumps(answer).encode() + b"\n" + (frame or b""))
 
 
 class _Conn:
@@ -118,21 +138,23 @@ class _Conn:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
-        self._waiting: dict[int, asyncio.Future[str]] = {}
+        self._waiting: dict[int, asyncio.Future[Answer]] = {}
         self._next = 0
         self.closed = False
         self._reader_task = asyncio.create_task(self._read())
 
-    async def ask(self, request_id: str, epoch: str) -> str:
+    async def ask(self, request_id: str, epoch: str, fetch: bool = False) -> Answer:
         if self.closed:
             raise ConnectionError("kv channel closed")
         n = self._next
         self._next += 1
-        fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting[n] = fut
         try:
-            line = json.dumps({"id": n, "request_id": request_id, "epoch": epoch}).encode() + b"\n"
-            self._writer.write(line)
+            body: dict[str, Any] = {"id": n, "request_id": request_id, "epoch": epoch}
+            if fetch:
+                body["fetch"] = True
+            self._writer.write(json.dumps(body).encode() + b"\n")
             return await fut
         finally:
             self._waiting.pop(n, None)  # a late answer to a timed-out claim is dropped
@@ -141,11 +163,17 @@ class _Conn:
         try:
             while line := await self._reader.readline():
                 msg = json.loads(line)
+                frame: bytes | None = None
+                size = msg.get("frame_bytes")
+                if size is not None:
+                    if not isinstance(size, int) or not 0 <= size <= MAX_FRAME_BYTES:
+                        raise ValueError(f"announced frame of {size} bytes")
+                    frame = await self._reader.readexactly(size)
                 fut = self._waiting.get(msg.get("id"))
                 if fut is not None and not fut.done():
-                    fut.set_result(str(msg.get("status", EngineStatus.UNKNOWN)))
-        except (OSError, ValueError, asyncio.LimitOverrunError):
-            pass
+                    fut.set_result((str(msg.get("status", EngineStatus.UNKNOWN)), frame))
+        except (OSError, ValueError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
+            pass  # a truncated frame closes the connection: its waiter gets ConnectionError
         finally:
             self.close()
 
@@ -176,7 +204,16 @@ class KvClaimClient:
             conn = await self._conn(peer)
             if conn is None:
                 return await self._fallback(peer, request_id, epoch)
-            return await conn.ask(request_id, epoch)
+            return (await conn.ask(request_id, epoch))[0]
+
+    async def fetch(self, peer: str, request_id: str, epoch: str) -> Answer:
+        """Claim the handle and take its KV frame (a real engine's decode). A peer without a side
+        channel cannot send KV: `no_kv_channel`."""
+        async with asyncio.timeout(self.timeout_s):
+            conn = await self._conn(peer)
+            if conn is None:
+                return "no_kv_channel", None
+            return await conn.ask(request_id, epoch, fetch=True)
 
     async def _conn(self, peer: str) -> _Conn | None:
         conn = self._conns.get(peer)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 import time
 
 from .launcher import TritonHost
@@ -20,6 +21,22 @@ from .service import WorkerConfig, WorkerService
 from .stream_end import install as install_stream_end
 
 log = logging.getLogger("flexlb.worker")
+
+
+def _service(cfg: WorkerConfig, stopping: threading.Event) -> WorkerService:
+    """The simulated engine, or a real model (`--engine hf`: torch and transformers, the optional
+    `engine` extra, are imported only then)."""
+    if cfg.engine == "sim":
+        return WorkerService(cfg, stopping=stopping)
+    if cfg.engine != "hf":
+        raise ValueError(f"unknown engine {cfg.engine!r}: sim or hf")
+    from workers.engine.hf_model import HfModel
+
+    from .hf_service import HfWorkerService
+
+    model = HfModel(cfg.model_path, device=cfg.device, dtype=cfg.dtype, threads=cfg.threads)
+    log.info("loaded %s: %d parameters on %s", cfg.model_path, model.params, cfg.device)
+    return HfWorkerService(cfg, model, stopping=stopping)
 
 
 def run_worker(
@@ -42,7 +59,7 @@ def run_worker(
         tensorstore=shm,
     )
     cfg.grpc_port = host.grpc_port
-    svc = WorkerService(cfg, stopping=host.stopping)
+    svc = _service(cfg, host.stopping)
     rc = 0
     try:
         host.install_signal_handlers()
@@ -69,6 +86,7 @@ def run_worker(
             "kv_endpoint": svc.kv_endpoint,
             "stream_end_on_last": stream_end,
             "profile": cfg.profile,
+            "engine": cfg.engine,
             "time_scale": cfg.time_scale,
             "block_size": cfg.block_size,
             "startup_s": round(time.monotonic() - t0, 3),

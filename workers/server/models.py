@@ -20,6 +20,9 @@ PREFILL_INPUTS = [
     _t(W.P_REQUEST_IDS, BYTES),
     _t(W.P_INPUT_IDS, np.int32),
     _t(W.P_INPUT_LENGTHS, np.int32),
+    _t(W.P_TEMPERATURE, np.float64, optional=True),
+    _t(W.P_TOP_P, np.float64, optional=True),
+    _t(W.P_SEED, np.int64, optional=True),
 ]
 PREFILL_OUTPUTS = [
     _t(W.P_EVENT, BYTES),
@@ -46,6 +49,9 @@ DECODE_INPUTS = [
     _t(W.D_FIRST_INDEX, np.int32, optional=True),
     _t(W.D_KV_WORKER, BYTES, optional=True),
     _t(W.D_KV_EPOCH, BYTES, optional=True),
+    _t(W.D_TEMPERATURE, np.float64, optional=True),
+    _t(W.D_TOP_P, np.float64, optional=True),
+    _t(W.D_SEED, np.int64, optional=True),
 ]
 DECODE_OUTPUTS = [
     _t(W.D_EVENT, BYTES),

@@ -1,0 +1,167 @@
+"""The owner's claims on pending hand-off entries (DESIGN §6 "Dead owner", issue 14): once the
+lease is ours, take over the previous owner's pending entries; then, on a period, re-claim entries
+idle too long that no task of ours is handling. Each claimed entry is delivered from the worker's
+finished record, adopted if the worker still has it, or dispatched once.
+
+A mixin of `OwnerDispatcher` (app/dispatch/owner.py): it uses the dispatcher's lease, reader,
+worker client, store, batcher and reply path, and keeps the dispatcher under ~500 lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from app import metrics as M
+from app.dispatch.items import QueueItem, parse_item
+from app.rpc.worker_client import WorkerUnavailable
+from app.state.handoff import GROUP
+from app.state.text import to_str as s
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from app.cluster.leases import Lease
+    from app.cluster.loops import LoopHealth
+    from app.rpc.worker_client import WorkerClient
+    from app.scheduling.batcher import Batcher
+    from app.state.handoff import Handoff
+    from app.state.store import StateStore
+
+log = logging.getLogger("flexlb.owner")
+
+
+class OwnerClaims:
+    wid: str
+    replica_id: str
+    lease: Lease
+    store: StateStore
+    handoff: Handoff
+    client: WorkerClient
+    loops: LoopHealth
+    batcher: Batcher
+    wake: asyncio.Event
+    reclaim_idle_ms: int
+    reclaim_every_s: float
+    reclaimed: int
+    _reader: aioredis.Redis
+    _handling: set[str]
+    _claimed_once: asyncio.Event
+    _redispatched: dict[str, str]
+    _inflight: set[asyncio.Task[None]]
+    _stopping: bool
+    _draining: bool
+
+    time_scale: Callable[[], float]
+
+    async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None: ...
+
+    def admit(self, item: QueueItem, now_ms: float) -> None: ...
+
+    async def _claim_loop(self) -> None:
+        """Claim the previous owner's pending entries once the lease is ours (min idle 0), then
+        every `reclaim_every_s` re-claim entries idle for `reclaim_idle_ms` that no task of ours is
+        handling — ours whose reply could not be written, or a stalled consumer's. A failed claim
+        is retried with backoff, logged and counted (`flexlb_loop_errors_total{loop="owner_claim"}`)."""
+        name = f"owner_claim:{self.wid}"
+        key = self.store.keys.queue(self.wid)
+        first = True
+        while not self._stopping and not self._draining:
+            if not self.lease.is_valid():
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                if first:
+                    await self.handoff.ensure_group(self.wid)
+                n = await self._claim_pending(key, 0 if first else self.reclaim_idle_ms)
+                if not first:
+                    self.reclaimed += n
+                first = False
+                self._claimed_once.set()
+                self.loops.ok(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                await self.loops.failed(name, exc)
+                continue
+            await asyncio.sleep(self.reclaim_every_s)
+
+    async def _claim_pending(self, key: str, min_idle_ms: int = 0) -> int:
+        """DESIGN §6 "Dead owner": only after our fenced acquire (we hold the lease) do we take
+        over the previous owner's pending entries. Each is delivered from the worker's finished
+        record, adopted if the worker has it queued or running, or — never seen by the worker —
+        its old batch is tombstoned and it is dispatched once. Entries a task of ours is still
+        handling (in the batcher, in a batch in flight) are left alone."""
+        claimed: list[QueueItem] = []
+        cursor = "0-0"
+        while self.lease.is_valid():
+            self.store.commands_total += 1
+            res = await self._reader.xautoclaim(key, GROUP, self.replica_id, min_idle_ms, cursor, count=256)
+            cursor, entries = s(res[0]), res[1]
+            claimed += [parse_item(eid, f) for eid, f in entries if f]
+            if cursor == "0-0" or not entries:
+                break
+        claimed = [i for i in claimed if i.entry_id not in self._handling]
+        if not claimed:
+            return 0
+        for item in claimed:
+            self._handling.add(item.entry_id)
+        st = await self.client.status(0, timeout=5.0)
+        finished = {r["request_id"]: r for r in st.get("finished", [])}
+        live = {rid for b in st.get("live", []) for rid in b.get("request_ids", [])}
+        ledger = await self.store.read_ledger(self.wid)
+        log.warning(
+            "owner %s: claimed %d pending entries (min idle %d ms)", self.wid, len(claimed), min_idle_ms
+        )
+        for item in claimed:
+            rec = finished.get(item.request_id)
+            old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
+            if rec is not None:
+                M.CLAIMED.labels("delivered").inc()
+                await self._reply(
+                    item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
+                )
+            elif item.request_id in live:
+                M.CLAIMED.labels("adopted").inc()
+                t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
+                self._inflight.add(t)
+                t.add_done_callback(self._inflight.discard)
+            else:
+                M.CLAIMED.labels("redispatched").inc()
+                self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
+                for bid in old_batches:  # a late arrival of the old batch must not run it twice
+                    try:
+                        await self.client.cancel(bid)
+                    except (WorkerUnavailable, TimeoutError) as exc:
+                        # The worker's own tombstone is what we wanted; without it the engine's
+                        # `duplicate` answer for the old batch still keeps it from running twice.
+                        log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
+                    await self.store.settle(self.wid, bid, item.request_id)
+                self.admit(item, time.time() * 1000)
+        return len(claimed)
+
+    async def _adopt(self, item: QueueItem, batch_id: str) -> None:
+        """The worker is running it for a dead owner: wait for its finished record, then deliver."""
+        since = 0
+        deadline = item.deadline_ms or (time.time() * 1000 + 120_000)
+        while time.time() * 1000 < deadline and self.lease.is_valid():
+            try:
+                st = await self.client.status(since, timeout=5.0)
+            except (WorkerUnavailable, TimeoutError) as exc:  # a blip: the deadline bounds us
+                log.debug("owner %s: adopt status of %s failed: %s", self.wid, item.request_id, exc)
+                await asyncio.sleep(0.2)
+                continue
+            for r in st.get("finished", []):
+                since = max(since, int(r["seq"]))
+                if r["request_id"] == item.request_id:
+                    await self._reply(
+                        item, r["batch_id"], {**r, "epoch": st.get("epoch", ""), "worker": self.wid}
+                    )
+                    return
+            await asyncio.sleep(0.1)
+        await self._reply(
+            item, batch_id, {"status": "worker_error", "error": "adopted request never finished"}
+        )

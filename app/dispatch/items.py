@@ -1,0 +1,42 @@
+"""A prefill hand-off entry as the owner reads it from the worker's queue stream."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from app.state.handoff import unpack_tokens
+from app.state.text import to_str as s
+
+
+@dataclass
+class QueueItem:
+    entry_id: str
+    request_id: str
+    origin: str
+    tokens: Any
+    predicted_ms: float
+    deadline_ms: float  # wall ms since the epoch; 0 = none
+    trace_id: str = ""
+    t_handoff: float = 0.0  # wall s when the origin appended it
+    hit_tokens: int = 0  # the origin's expectation from its cache mirror
+    attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
+    sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
+
+
+def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
+    m = json.loads(f[b"m"])
+    return QueueItem(
+        entry_id=s(entry_id),
+        request_id=str(m["rid"]),
+        origin=str(m["origin"]),
+        tokens=unpack_tokens(f[b"ids"]),
+        predicted_ms=float(m.get("pred", 0.0)),
+        deadline_ms=float(m.get("deadline", 0.0)),
+        trace_id=str(m.get("trace", "")),
+        t_handoff=float(m.get("t", 0.0)),
+        hit_tokens=int(m.get("hit", 0)),
+        attempt=int(m.get("att", 0)),
+        sampling=m.get("smp") or None,
+    )
