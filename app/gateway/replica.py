@@ -344,7 +344,7 @@ class Replica:
             return
         if wid not in self.workers:
             await self.refresh_registry()
-        lease = self.leases._owned.get(wid)
+        lease = self.leases.lease(wid)
         poller = WorkerPoller(
             wid,
             self.client(wid),
