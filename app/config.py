@@ -7,6 +7,8 @@ from typing import Any
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.scheduling.admission import AdmissionConfig
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="FLEXLB_", extra="ignore")
@@ -53,9 +55,27 @@ class Settings(BaseSettings):
     )
     prefill_time_formula: str | None = Field(None, description="prefill ms formula; unset → default")
     max_queue_len: int = Field(1024, description="hand-off queue bound per prefill worker (429 beyond)")
+    admission: str = Field(
+        "slo", description="slo: 429 slo_unattainable when the predicted TTFT misses the deadline; off"
+    )
+    admission_slack: float = Field(
+        -0.15, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
+    )
+    reserve_output_tokens: str = Field(
+        "max", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"
+    )
+    admission_drop_late: str = Field(
+        "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"
+    )
     default_timeout_ms: int = Field(120_000, description="request deadline when the client gives none")
     max_new_tokens_limit: int = Field(8192, description="largest max_tokens accepted")
     max_context_tokens: int = Field(131072, description="largest prompt + output accepted")
     sse_buffer_chunks: int = Field(64, description="SSE relay buffer (chunks) per stream")
     sse_stall_timeout_s: float = Field(30.0, description="how long a full SSE buffer may wait for the client")
     embedded_redis_idle_s: int = Field(60, description="embedded Redis exits after this idle time")
+
+    def admission_config(self) -> AdmissionConfig:
+        """The origin's SLO admission knobs, shared with the simulator (`SimConfig.admission`)."""
+        return AdmissionConfig(
+            mode=self.admission, slack=self.admission_slack, drop_late=self.admission_drop_late
+        )

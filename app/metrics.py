@@ -180,6 +180,22 @@ LEDGER_LATE_SETTLED = Counter(
 for _path in ("record", "missed", "ttl"):
     LEDGER_LATE_SETTLED.labels(_path)
 
+ADMISSION_REJECTIONS = Counter(
+    "flexlb_admission_rejections_total",
+    "Requests refused or ended for their TTFT deadline, by reason (slo_unattainable at the origin, "
+    "deadline_passed_in_queue at the owner)",
+    ["reason"],
+    registry=REGISTRY,
+)
+for _reason in ("slo_unattainable", "deadline_passed_in_queue"):
+    ADMISSION_REJECTIONS.labels(_reason)
+
+LEDGER_ANCHOR_FAILED = Counter(
+    "flexlb_ledger_anchor_failed_total",
+    "Ledger batches whose start could not be moved to the engine's real start (owed stays estimated)",
+    registry=REGISTRY,
+)
+
 
 # ---- per-worker load, exported from the shared snapshots ---------------------------------------
 # Every replica reads the snapshot each worker's owner publishes in Redis and exports the same

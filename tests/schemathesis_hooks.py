@@ -8,7 +8,8 @@ SCHEMATHESIS_HOOKS.
   which plugins exist and how they compose is the registry's, not a JSON schema's, so the fuzzer
   writes valid compositions of built-in plugins; invalid ones are still sent by its negative phase.
 - Deadlines: a schema-valid `timeout_ms` of a few ms is a legitimate 504 (`deadline_exceeded`, the
-  request really ran out of time), which the fuzzer would count as a server error. Generated
+  request really ran out of time), which the fuzzer would count as a server error; so is a
+  `deadline_ms` (TTFT deadline) of a few ms that passes while the request is queued. Generated
   deadlines are raised to at least 20 s; the 504 path has tests of its own.
 """
 
@@ -73,6 +74,7 @@ schemathesis.openapi.format(
 
 @schemathesis.hook
 def map_body(ctx: Any, body: Any) -> Any:
-    if isinstance(body, dict) and isinstance(body.get("timeout_ms"), int) and body["timeout_ms"] > 0:
-        body["timeout_ms"] = max(body["timeout_ms"], MIN_TIMEOUT_MS)
+    for key in ("timeout_ms", "deadline_ms"):  # deadline_ms: a TTFT deadline, 504 when it passes queued
+        if isinstance(body, dict) and isinstance(body.get(key), int) and body[key] > 0:
+            body[key] = max(body[key], MIN_TIMEOUT_MS)
     return body

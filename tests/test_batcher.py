@@ -26,7 +26,7 @@ def test_idle_worker_flushes_a_lone_item_at_once() -> None:
 
 
 def test_busy_worker_accumulates_until_full_or_timeout() -> None:
-    b = mk(max_size=4, wait_ms=30)
+    b = mk(algorithm="fixed_window", max_size=4, wait_ms=30)
     b.batch_started()  # something in flight: the worker is busy
     for i in range(3):
         b.add(item(i, t=float(i)))
@@ -42,7 +42,7 @@ def test_busy_worker_accumulates_until_full_or_timeout() -> None:
 
 
 def test_predict_threshold_flushes_early() -> None:
-    b = mk(max_size=16, wait_ms=1000, predict_threshold_ms=40)
+    b = mk(algorithm="fixed_window", max_size=16, wait_ms=1000, predict_threshold_ms=40)
     b.batch_started()
     b.add(item(0, n=1000))  # 10 + 10 = 20 ms
     assert not b.decide(1.0).items

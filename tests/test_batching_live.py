@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 
 import httpx
 import pytest
@@ -72,7 +73,7 @@ def test_idle_then_full_batches_shared_by_both_replicas(one_prefill_cluster) -> 
     h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
     # Batches of up to 32, accumulated while the worker is busy with a 3 s blocker: all 32 requests,
     # sent from both replicas, meet in one `full` batch whatever order they arrive in.
-    cfg = {"batch_max_size": 32, "batch_wait_ms": 5000}
+    cfg = {"batch_algorithm": "fixed_window", "batch_max_size": 32, "batch_wait_ms": 5000}
     assert httpx.put(a.url + "/admin/config", json=cfg, headers=h).status_code == 200
     wait_for(lambda: "runtime config v1 applied" in owner.log(), 5, what="config applied")
     base = flushes(owner)
@@ -88,7 +89,8 @@ def test_idle_then_full_batches_shared_by_both_replicas(one_prefill_cluster) -> 
 
             async def one(i: int) -> dict:
                 gw = a if i % 2 else b
-                body = {"prompt": f"request {i} " + "y" * 200, "max_new_tokens": 2}
+                # a generous deadline: this test is about the batch, not SLO admission
+                body = {"prompt": f"request {i} " + "y" * 200, "max_new_tokens": 2, "deadline_ms": 60_000}
                 return (await c.post(gw.url + "/v1/generate", json=body)).json()
 
             rs = await asyncio.gather(*(one(i) for i in range(32)))
@@ -211,3 +213,64 @@ def test_owner_killed_with_items_queued_and_in_flight(
         a.stop()
         b.stop()
         asyncio.run(conf("1"))
+
+
+def test_ledger_owes_batch_prediction_from_the_engine_start(
+    one_prefill_cluster, cluster, shared_embedded_redis
+) -> None:
+    """A batch dispatched while another runs is anchored where the engine starts it (behind the
+    running one), not at its dispatch, and owes the batch prediction once, not the sum of its
+    members' single predictions (the formula here is a constant: a batch costs what one does)."""
+    import redis
+
+    from app.state.keys import Keys
+
+    a, _ = one_prefill_cluster
+    h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    cfg = {
+        "batch_algorithm": "fixed_window",  # the three later requests meet in one batch
+        "batch_max_size": 8,
+        "batch_wait_ms": 200,
+        "prefill_time_formula": "600",
+    }
+    assert httpx.put(a.url + "/admin/config", json=cfg, headers=h).status_code == 200
+    wait_for(lambda: "runtime config v1 applied" in a.log(), 5, what="config applied")
+    wid = next(w for w in a.get("/admin/workers", admin=True).json()["workers"] if w.startswith("prefill"))
+    r = redis.Redis.from_url(shared_embedded_redis)
+    key = Keys(cluster).ledger(wid)
+    seen: dict[str, dict] = {}
+
+    async def run() -> list[dict]:
+        await _formula(one_prefill_cluster, "600")
+        async with httpx.AsyncClient(timeout=60) as c:
+
+            async def one(i: int) -> dict:
+                body = {"prompt": f"anchor {i} " + "z" * 100, "max_new_tokens": 2}
+                return (await c.post(a.url + "/v1/generate", json=body)).json()
+
+            first = asyncio.create_task(one(0))
+            await asyncio.sleep(0.3)  # the first batch runs on the worker (0.6 s)
+            rest = asyncio.gather(*(one(i) for i in range(1, 4)))
+
+            def two_batches() -> bool:
+                seen.update({k.decode(): json.loads(v) for k, v in r.hgetall(key).items()})
+                return len(seen) >= 2
+
+            await asyncio.to_thread(wait_for, two_batches, 5, interval=0.01, what="two ledger batches")
+            return [await first, *(await rest)]
+
+    rs = asyncio.run(run())
+    assert all("error" not in x for x in rs), rs
+    b1, b2 = sorted(seen.values(), key=lambda e: e["start_ms"])[:2]
+    assert len(b1["members"]) == 1 and len(b2["members"]) >= 2, (b1, b2)
+    assert b1["predicted_ms"] == b2["predicted_ms"] == 600.0
+    # anchored behind the running batch (0.6 s of predicted time), not ~0.3 s after it
+    scale = asyncio.run(_time_scale(wid))
+    assert b2["start_ms"] - b1["start_ms"] >= 0.95 * 600.0 * scale, (b1, b2, scale)
+
+
+async def _time_scale(wid: str) -> float:
+    c = WorkerClient(wid.split("@", 1)[1])
+    st = await c.status(0)
+    await c.close()
+    return float(st.get("time_scale", 1.0))

@@ -135,3 +135,25 @@ def test_error_fault() -> None:
     e.submit(DecodeRequest("a", 10, 10), 0.0)
     eff = drain(e)
     assert [x.reason for x in eff if isinstance(x, DecodeFinished)] == ["engine_error"]
+
+
+def test_expected_use_admission_preempts_and_recomputes_when_kv_runs_out() -> None:
+    # 300 tokens of KV, two sequences of 100 + 100. Reserving the maximum, b waits for a to end
+    # (test_kv_full_waits_then_completes: b ends at 2300). Admitting on use, both run until their
+    # growth fills the KV (50 steps), b (admitted last) is preempted, recomputes 150 tokens, and
+    # resumes where it stopped when a's end frees room: every token exactly once, b done sooner.
+    e = make(kv_capacity_tokens=300, admission="expected")
+    e.submit(DecodeRequest("a", 100, 100), 0.0)
+    e.submit(DecodeRequest("b", 100, 100), 0.0)
+    eff = drain(e)
+    fin = {x.request_id: x for x in eff if isinstance(x, DecodeFinished)}
+    assert fin["a"].reason == fin["b"].reason == "length"
+    assert e.preemptions == 1
+    assert tokens_of(eff, "a") == output_tokens(0, "a", 1, 100)
+    assert tokens_of(eff, "b") == output_tokens(0, "b", 1, 100)  # none lost, none twice
+    assert fin["a"].t_ms == pytest.approx(100 + 50 * 12 + 50 * 11)
+    assert fin["b"].t_ms == pytest.approx(fin["a"].t_ms + 50 * 11)
+    assert fin["b"].t_ms < 2300
+    assert e.kv_view()["kv_free_tokens"] == 300
+    with pytest.raises(ValueError):
+        make(admission="sometimes")

@@ -23,9 +23,11 @@ async def test_handoff_take_settle_ack_roundtrip(redis_url: str, cluster: str) -
         await h.ensure_group(wid)  # idempotent
         toks = np.arange(4096, dtype=np.int32)
         for i in range(50):
-            entry, queued = await h.append(wid, {"rid": f"r{i}", "origin": "o"}, pack_tokens(toks), 2.5, 1000)
+            entry, queued, _owed = await h.append(
+                wid, {"rid": f"r{i}", "origin": "o"}, pack_tokens(toks), 2.5, 1000
+            )
             assert entry is not None and queued == 2.5 * (i + 1)
-        full, queued = await Handoff(st).append(wid, {"rid": "x"}, b"", 1.0, 50)
+        full, queued, _owed = await Handoff(st).append(wid, {"rid": "x"}, b"", 1.0, 50)
         assert full is None and queued == 125.0  # refused at the bound, nothing added
         res = await r.xreadgroup(GROUP, "c1", {keys.queue(wid): ">"}, count=100)
         entries = res[0][1]
@@ -37,4 +39,32 @@ async def test_handoff_take_settle_ack_roundtrip(redis_url: str, cluster: str) -
         assert (await r.xpending(keys.queue(wid), GROUP))["pending"] == 0
     finally:
         await r.delete(*[k async for k in r.scan_iter(f"{cluster}:*")] or ["_"])
+        await r.aclose()
+
+
+async def test_handoff_reads_the_ledgers_owed_time_in_its_round_trip(redis_url: str, cluster: str) -> None:
+    """The origin's view of a worker is fresh as of each hand-off: the script answers the
+    ledger's owed ms (a batch not started owes it all; a running one what is left, in modelled
+    ms at the worker's time scale), so a batch that left the queue for the ledger since the last
+    poll is not lost from the origin's load until the next snapshot."""
+    import time
+
+    r = aioredis.from_url(redis_url)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    await st.load_scripts()
+    wid = "prefill@127.0.0.1:2"
+    try:
+        await r.set(keys.owner_lease(wid), "A|1", px=60_000)
+        now = time.time() * 1000
+        await st.commit_batch(wid, "run", ["a"], 400.0, now - 20.0, 1, "A")  # 20 wall = 200 modelled ms ago
+        await st.commit_batch(wid, "next", ["b"], 300.0, now + 60_000.0, 1, "A")  # not started: 300
+        entry, queued, owed = await Handoff(st).append(wid, {"rid": "c"}, b"", 5.0, 100, 0.1)
+        assert entry is not None and queued == 5.0
+        # 200 left of the running one (less what the box took between the calls) + 300 not started
+        assert 300.0 <= owed <= 520.0, owed  # (Redis's clock and ours may differ by < 2 ms)
+    finally:
+        keys_left = await r.keys(f"{cluster}*")
+        if keys_left:
+            await r.delete(*keys_left)
         await r.aclose()

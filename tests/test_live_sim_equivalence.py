@@ -23,8 +23,10 @@ simulator's own object (its confirmed keys) with the simulated replica's specula
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -38,7 +40,7 @@ from app.gateway.replica import Replica
 from app.request.pipeline import GenRequest, Pipeline, Progress
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.policy import PREFILL
-from app.scheduling.routing import Choice, DecodeQuery, NoWorker, PrefillQuery
+from app.scheduling.routing import Choice, DecodeQuery, NoWorker, PrefillQuery, WorkerView
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
 from app.sim.replica import SimReplica
@@ -93,6 +95,7 @@ class LiveReplica(SimReplica):
         r.snapshots = snaps
         r.snapshot_time = dict.fromkeys(snaps, self.snap_time / 1000)
         r.queued_overlay = {sim.pids[w]: (q, t / 1000) for w, (q, t) in self.overlay.items()}
+        pipe.owed_overlay = {sim.pids[w]: (o, t / 1000) for w, (o, t) in self.fresh_owed.items()}
         pipe.finished = {
             sim.pids[w]: [(a, b, c, t / 1000) for a, b, c, t in done] for w, done in self.finished.items()
         }
@@ -122,20 +125,26 @@ class LiveReplica(SimReplica):
         assert pipe.rng.getstate() == self.rng.getstate()
         return d
 
-    def choose_prefill(self, size: int, keys: Sequence[int], now: float) -> Choice:
+    def prefill_query(self, size: int, keys: Sequence[int], now: float) -> PrefillQuery:
+        self.asked = (size, list(keys), now)  # the live side computes its own hits from the keys
+        return super().prefill_query(size, keys, now)
+
+    def choose_prefill(self, q: PrefillQuery) -> Choice:
+        size, keys, now = self.asked
         pipe = self._sync()
         views = pipe.views("prefill", now / 1000)
-        assert views == self.pviews, f"prefill views differ at {now} ms"
+        assert _same_views(views, self.pviews), f"prefill views differ at {now} ms"
         try:
-            got: Any = pipe.choose_prefill(size, list(keys), self.bs, views, now / 1000)
+            got: Any = pipe.choose_prefill(size, keys, self.bs, views, now / 1000)
         except NoWorker as exc:
             got = f"NoWorker: {exc.reason}"
         try:
-            want = super().choose_prefill(size, keys, now)
+            want = super().choose_prefill(q)
         except NoWorker as exc:
             assert got == f"NoWorker: {exc.reason}"
             raise
-        assert got == want, f"prefill choice differs at {now} ms"
+        assert isinstance(got, Choice) and replace(got, score=0.0) == replace(want, score=0.0), now
+        assert math.isclose(got.score, want.score, abs_tol=1e-9)  # in ms: rounding, as the views
         assert pipe.rng.getstate() == self.rng.getstate()
         self.tally.routed += 1
         self.tally.hits += want.hit_tokens > 0
@@ -158,6 +167,7 @@ class LiveBatcher(Batcher):
         super().add(p)
         item = QueueItem(f"{p.id}-0", p.id, "origin", [1] * p.input_tokens, p.predicted_ms, 0.0)
         item.hit_tokens = p.hit_tokens
+        item.ttft_deadline_ms, item.drop_late = p.deadline_ms, p.drop_late
         self.owner.admit(item, self.sim.now)
 
     def decide(self, now_ms: float, worker_busy: bool | None = None) -> Decision:
@@ -169,9 +179,25 @@ class LiveBatcher(Batcher):
         self.tally.refusals += bool(want.failed)
         return want
 
-    def batch_finished(self) -> None:
-        super().batch_finished()
-        self.owner.batch_finished()
+    def batch_finished(self, now_ms: float | None = None) -> None:
+        super().batch_finished(now_ms)
+        self.owner.batch_finished(self.sim.now if now_ms is None else now_ms)
+
+
+def _same_views(a: list[WorkerView], b: list[WorkerView]) -> bool:
+    """Equal, loads up to float rounding: the live side reads times in wall seconds (the simulator's
+    ms / 1000 here), so an aged owed ms may differ in its last bits."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if replace(x, queued_ms=0.0, owed_ms=0.0) != replace(y, queued_ms=0.0, owed_ms=0.0):
+            return False
+        if not (
+            math.isclose(x.queued_ms, y.queued_ms, abs_tol=1e-9)
+            and math.isclose(x.owed_ms, y.owed_ms, abs_tol=1e-9)
+        ):
+            return False
+    return True
 
 
 def _shape(d: Decision) -> tuple[Any, ...]:

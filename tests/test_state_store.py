@@ -435,6 +435,29 @@ async def test_property_matches_model(store: StateStore, ops: list[tuple]) -> No
     assert await store.reserved_total(wid_d) == 0
 
 
+async def test_anchor_batch_moves_only_the_start(store: StateStore) -> None:
+    """The owner moves a queued batch's anchor to the engine's real start; members and the
+    prediction stay byte for byte, and a settled batch is left alone."""
+    await _own(store, P)
+    now = 1_700_000_000_000.0
+    from app.scheduling.commit import owed_ms
+
+    async def owed(at: float) -> float:
+        ledger = await store.read_ledger(P)
+        return owed_ms(((b["predicted_ms"], b["start_ms"]) for b in ledger.values()), at)
+
+    await store.commit_batch(P, "q", ["a", "b"], 40.0, now + 1000.0, 1, "A")
+    assert await owed(now + 10.0) == pytest.approx(40.0)  # not started: owes it all
+    assert await store.anchor_batch(P, "q", now)
+    assert await owed(now + 10.0) == pytest.approx(30.0)
+    entry = (await store.read_ledger(P))["q"]
+    assert entry["members"] == ["a", "b"] and entry["predicted_ms"] == 40.0 and entry["start_ms"] == now
+    await store.settle(P, "q", "a")
+    await store.settle(P, "q", "b")
+    assert not await store.anchor_batch(P, "q", now)
+    assert await store.read_ledger(P) == {}
+
+
 async def test_a_flushed_script_is_loaded_and_only_its_call_rerun(embedded_redis: EmbeddedRedis) -> None:
     """After SCRIPT FLUSH (a restarted, empty server) every EVALSHA answers NOSCRIPT: the store
     loads the script and reruns just the calls that never ran, not the rest of the round trip.

@@ -63,6 +63,20 @@ def test_pooled_lru_of_hand_trace() -> None:
     assert b["hit_ratio_pooled_lru_blocks"] == pytest.approx(0.4)
 
 
+def test_pooled_lru_holds_full_blocks_only() -> None:
+    # Block size 4, room for 2 blocks. The first two prompts end in a partial block (9, 8) that the
+    # engine never caches: it must take no room, so both full heads 1 and 2 stay and the third
+    # prompt hits block 1. Counting the partial blocks evicted 1 and read the bound low.
+    t = Trace(
+        "t",
+        "mooncake",
+        4,
+        [TraceRequest(0, 0, 6, 1, (1, 9)), TraceRequest(1, 1, 6, 1, (2, 8)), TraceRequest(2, 2, 4, 1, (1,))],
+    )
+    assert pooled_lru_token_hit_ratio(t, 8) == pytest.approx(4 / 16)
+    assert pooled_lru_hit_ratio(t, 8) == pytest.approx(1 / 5)
+
+
 def test_lru_evicts_chain_tail_first() -> None:
     # Room for 2 blocks: after [1,2,3] the LRU keeps the head 1,2 (touched last-first), so [1,2,9] hits 2.
     t = Trace("t", "synthetic", 1, [TraceRequest(0, 0, 3, 1, (1, 2, 3)), TraceRequest(1, 1, 3, 1, (1, 2, 9))])

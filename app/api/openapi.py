@@ -200,7 +200,8 @@ STATUS_TEXT = {
     404: "unknown model, request, worker or path (model_not_found, not_found)",
     409: "a request with this id is still running (duplicate_request)",
     415: "the body is not application/json (unsupported_media_type)",
-    429: "overloaded: a prefill queue is full or no decode KV is left; retry after Retry-After",
+    429: "overloaded: a prefill queue is full or no decode KV is left; slo_unattainable: the predicted "
+    "time to first token misses the request's deadline; retry after Retry-After",
     499: "cancelled by DELETE /v1/requests/{id} or by the client going away (cancelled)",
     500: "internal error (internal)",
     502: "a worker failed the request (worker_error)",

@@ -252,10 +252,12 @@ async def _prepare(
     fields: tuple[str, str] = ("max_new_tokens", "prompt"),
     stops: list[str] | None = None,
     user: str | None = None,
+    deadline_ms: int | None = None,
 ) -> GenRequest:
     """`fields`: the client's names of the token limit and the prompt, for error messages."""
     _check_limits(r, len(ids), max_new, *fields)
     rid, trace, fresh = _ids(request, body_rid)
+    deadline = _deadline(request, deadline_ms)
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
     stop = TokenStop(r.tokenizer, stops) if stops else None
@@ -269,7 +271,25 @@ async def _prepare(
         fresh_id=fresh,
         stop=stop,
         user=user or "",
+        deadline_ms=deadline,
     )
+
+
+def _deadline(request: Request, body_ms: int | None) -> float:
+    """The request's TTFT deadline in ms: the body's `deadline_ms`, else the `x-flexlb-slo-ms`
+    header, else 0 (the cluster SLO). SLO admission answers 429 when it cannot be met."""
+    if body_ms is not None:
+        return float(body_ms)
+    raw = request.headers.get("x-flexlb-slo-ms")
+    if raw is None:
+        return 0.0
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ApiError("invalid_request", "x-flexlb-slo-ms: must be a number of milliseconds") from None
+    if not 0 < v <= 3_600_000:
+        raise ApiError("invalid_request", "x-flexlb-slo-ms: must be in (0, 3600000]")
+    return v
 
 
 # ---- OpenAI completions ------------------------------------------------------------------------
@@ -491,6 +511,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         body.request_id,
         "generate",
         ("max_new_tokens", prompt_field),
+        deadline_ms=body.deadline_ms,
     )
     req.sampling = sampling_of(body)
     if not body.stream:

@@ -261,6 +261,9 @@ class GenerateRequest(BaseModel):
     )
     stream: StrictBool = False
     timeout_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = None
+    deadline_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = Field(
+        None, description="TTFT deadline in ms (else header x-flexlb-slo-ms, else the cluster SLO)"
+    )
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
     priority: JsonInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
     # Sampling: greedy without `temperature` (or with 0); a real engine samples by them

@@ -22,6 +22,8 @@ class QueueItem:
     t_handoff: float = 0.0  # wall s when the origin appended it
     hit_tokens: int = 0  # the origin's expectation from its cache mirror
     attempt: int = 0  # the origin's hand-off number for this request, echoed in the reply
+    ttft_deadline_ms: float = 0.0  # wall ms since the epoch its TTFT deadline passes; 0 = none
+    drop_late: bool = False  # end it typed if that deadline passes while it waits here
     sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
 
 
@@ -38,5 +40,7 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         t_handoff=float(m.get("t", 0.0)),
         hit_tokens=int(m.get("hit", 0)),
         attempt=int(m.get("att", 0)),
+        ttft_deadline_ms=float(m.get("ttft_dl", 0.0)),
+        drop_late=bool(m.get("drop", 0)),
         sampling=m.get("smp") or None,
     )

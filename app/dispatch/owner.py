@@ -26,6 +26,7 @@ from app.dispatch.claim import OwnerClaims
 from app.dispatch.items import QueueItem, parse_item
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
+from app.scheduling.accounting import EngineTimeline
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
@@ -105,6 +106,9 @@ class OwnerDispatcher(OwnerClaims):
         self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record came in
         self._last_audit = 0.0
         self._marks: set[asyncio.Task[Any]] = set()  # off-path lifecycle `dispatched` writes
+        # Where each of our batches starts on the engine (wall ms), so the ledger's owed time
+        # runs from the real start, not from the dispatch (DESIGN §7, store.commit_batch).
+        self.timeline = EngineTimeline()
 
     def _scaled_config(self) -> BatcherConfig:
         cfg = self.config()
@@ -259,6 +263,8 @@ class OwnerDispatcher(OwnerClaims):
         for p, code in d.failed:
             item: QueueItem = p.payload  # type: ignore[assignment]
             M.BATCH_FAILED.labels(code).inc()
+            if code == "deadline_exceeded":
+                M.ADMISSION_REJECTIONS.labels("deadline_passed_in_queue").inc()
             await self._reply(item, "", {"status": code, "error": f"refused by the batcher: {code}"})
         if d.items:
             M.BATCH_FLUSHES.labels(d.reason).inc()
@@ -314,12 +320,12 @@ class OwnerDispatcher(OwnerClaims):
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
-        self.batch_finished()
+        self.batch_finished(time.time() * 1000)
 
     # ---- the decisions, without I/O (the simulator makes the same: tests/test_live_sim_equivalence.py)
     def admit(self, item: QueueItem, now_ms: float) -> None:
         """A hand-off read from the queue (or claimed) joins the batcher, stamped with when the
-        owner read it and its predicted ms in the batcher's (wall) clock."""
+        owner read it, its predicted ms in the batcher's (wall) clock and its TTFT deadline."""
         self.batcher.add(
             Pending(
                 item.request_id,
@@ -328,6 +334,8 @@ class OwnerDispatcher(OwnerClaims):
                 now_ms,
                 item.predicted_ms * self.time_scale(),
                 item,
+                deadline_ms=item.ttft_deadline_ms,
+                drop_late=item.drop_late,
             )
         )
         self.wake.set()
@@ -342,30 +350,37 @@ class OwnerDispatcher(OwnerClaims):
             self.batcher.config = self._scaled_config()
         return commit_step(self.batcher, now_ms)
 
-    def batch_finished(self) -> None:
+    def batch_finished(self, now_ms: float) -> None:
         """A dispatched batch was answered (or failed): the worker has room for the next."""
-        self.batcher.batch_finished()
+        self.batcher.batch_finished(now_ms)
         self.wake.set()
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
-        predicted = committed_ms(items)
+        # The ledger owes the batch's own prediction: one forward pass pays the per-batch cost
+        # once, where the sum of the members' single predictions would count it n times.
+        predicted = self.formula().predict_batch(
+            [Pending(i.request_id, len(i.tokens), i.hit_tokens, 0.0).item for i in items]
+        )
         epoch = self.epoch()
         by_id = {i.request_id: i for i in items}
         self._batch_sizes[batch_id] = len(items)
+        # Anchored where the engine will start it: behind our batches still on the worker.
+        start_ms = self.timeline.commit(batch_id, time.time() * 1000, predicted * self.time_scale())
         try:
             kept = await self.store.commit_batch(
                 self.wid,
                 batch_id,
                 list(by_id),
                 predicted,
-                time.time() * 1000,
+                start_ms,
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
-                take_ms=predicted,
+                take_ms=committed_ms(items),
             )
         except FencedOut:
+            self.timeline.forget(batch_id)
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
             return
         except TRANSIENT as exc:
@@ -383,6 +398,7 @@ class OwnerDispatcher(OwnerClaims):
             )
         live = [by_id[r] for r in kept]
         if not live:
+            self.timeline.forget(batch_id)
             return
         self.dispatched += 1
         # Off the critical path: GET /v1/requests shows `dispatched` with the worker and batch.
@@ -415,9 +431,7 @@ class OwnerDispatcher(OwnerClaims):
                 M.HANDOFF_LATENCY.observe(max(0.0, now - i.t_handoff))
                 M.SAMPLES["handoff_latency_s"].add(max(0.0, now - i.t_handoff))
         M.observe_dispatch((len(i.tokens), i.hit_tokens) for i in live)
-        batch_pred_ms = self.formula().predict_batch(
-            [Pending(i.request_id, len(i.tokens), i.hit_tokens, 0.0).item for i in live]
-        )
+        batch_pred_ms = predicted
         try:
             async for ev in self.client.prefill(
                 batch_id,
@@ -428,6 +442,9 @@ class OwnerDispatcher(OwnerClaims):
             ):
                 if ev.event == "accepted":
                     accepted = True
+                    self._spawn_reanchor(
+                        self.timeline.accepted(batch_id, ev.queue_position, time.time() * 1000)
+                    )
                 elif ev.event == "results":
                     M.observe_batch_results(batch_pred_ms, ev.results)
                     for r in ev.results:
@@ -479,6 +496,25 @@ class OwnerDispatcher(OwnerClaims):
                 if item.request_id not in answered:  # _reply never raises: it queues on failure
                     await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))
             self._batch_sizes.pop(batch_id, None)
+            self._spawn_reanchor(self.timeline.finish(batch_id, time.time() * 1000))
+
+    def _spawn_reanchor(self, moves: list[tuple[str, float]]) -> None:
+        if moves and not self._stopping:  # off the reply path, like the `dispatched` marks
+            t = asyncio.create_task(self._reanchor(moves))
+            self._marks.add(t)
+            t.add_done_callback(self._marks.discard)
+
+    async def _reanchor(self, moves: list[tuple[str, float]]) -> None:
+        """Move ledger anchors to where the engine really started those batches (one script
+        each, only when the start differs from the anchor by more than the timeline's tolerance).
+        A failed write leaves the old anchor: owed time is then off by that batch until it
+        settles, which the next poll's routing tolerates; it is logged and counted."""
+        for bid, start_ms in moves:
+            try:
+                await self.store.anchor_batch(self.wid, bid, start_ms)
+            except Exception as exc:  # Redis hiccup: the estimate stays as committed
+                M.LEDGER_ANCHOR_FAILED.inc()
+                log.warning("owner %s: re-anchoring batch %s failed: %s", self.wid, bid, exc)
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
         fields = {

@@ -35,6 +35,7 @@ KINDS: dict[str, ErrorKind] = {
     "duplicate_request": ErrorKind(409, "invalid_request_error", False),
     "rate_limited": ErrorKind(429, "rate_limit_error", True),
     "overloaded": ErrorKind(429, "rate_limit_error", True),
+    "slo_unattainable": ErrorKind(429, "rate_limit_error", True),
     "no_worker": ErrorKind(503, "service_unavailable", True),
     "state_unavailable": ErrorKind(503, "service_unavailable", True),
     "draining": ErrorKind(503, "service_unavailable", True),

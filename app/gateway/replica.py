@@ -117,6 +117,8 @@ class Replica:
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
         self.config_version = -1
+        self.admission = settings.admission_config()
+        self.admission.validate()
         # Built-in policies plus those declared in FLEXLB_POLICIES and, once the runtime config is
         # read, in its `policies` (PUT /admin/config); the admin API validates names against these.
         self.policies = runtime_book(settings.policies, None)

@@ -148,7 +148,7 @@ class AdminClient:
             prefill_strategy=pick("prefill_strategy", "cost"),
             decode_strategy=pick("decode_strategy", "kv_headroom"),
             schedule_mode=pick("schedule_mode", "batch"),
-            batch_algorithm=pick("batch_algorithm", "fixed_window"),
+            batch_algorithm=pick("batch_algorithm", "window"),
             workers=workers,
             config={"stored": stored, "effective": eff},
         )

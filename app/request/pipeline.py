@@ -25,6 +25,10 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys, hit_blocks_cap
 from app.rpc.worker_client import WorkerUnavailable
+from app.scheduling.admission import decide as admission_decide
+from app.scheduling.admission import expected_batch_wait_ms
+from app.scheduling.formula import BatchItem
+from app.scheduling.reserve import OutputLengthEstimator
 from app.scheduling.routing import (
     Choice,
     DecodeQuery,
@@ -42,12 +46,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("flexlb.request")
 
+#: Wall ms the gateway itself needs between admission and a first token (hand-off, the owner's
+#: read, the reply) on a loaded host, on top of the worker's predicted time (SLO admission).
+GATEWAY_FLOOR_MS = 20.0
+
 TERMINAL = {"completed", "failed", "cancelled", "timed_out", "owner_lost"}
 ENGINE_TO_API = {
     "cancelled": "cancelled",
     "too_long": "invalid_request",
     "invalid_request": "invalid_request",
     "duplicate": "duplicate_request",
+    "deadline_exceeded": "deadline_exceeded",  # the owner ended it: its TTFT deadline passed queued
 }
 
 
@@ -66,6 +75,9 @@ class GenRequest:
     # stop string completed in it (app/api/stop.py). Decoding then ends with finish_reason "stop".
     stop: Callable[[Sequence[int]], int | None] | None = None
     user: str = ""  # OpenAI `user`: only logged
+    # TTFT deadline in wall ms from arrival (`deadline_ms` / `x-flexlb-slo-ms`); 0 = the
+    # cluster SLO. SLO admission refuses what cannot meet it; the owner ends it if it passes.
+    deadline_ms: float = 0.0
     # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
@@ -137,6 +149,10 @@ class Pipeline:
         # are replaced, never mutated, a few times a second, while every request ranks every
         # worker: parse each snapshot once, not ~10 text fields per worker per request.
         self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
+        # Decode KV per request: max_new_tokens, or the learned mean / pXX (FLEXLB_RESERVE_OUTPUT_TOKENS)
+        self.out_est = OutputLengthEstimator(replica.settings.reserve_output_tokens)
+        # worker id → (its ledger's owed ms, wall s) as our last hand-off there read it
+        self.owed_overlay: dict[str, tuple[float, float]] = {}
 
     # ---- routing inputs ------------------------------------------------------------------
     def views(self, role: str, now_s: float | None = None) -> list[WorkerView]:
@@ -144,7 +160,7 @@ class Pipeline:
         origin's own overlays (`routing.current_loads`); ``now_s`` is the wall clock (tests and
         the live-vs-simulator equivalence test pass it)."""
         r = self.r
-        stale_before = (time.time() if now_s is None else now_s) - 5.0
+        now = time.time() if now_s is None else now_s
         out = []
         ids = r.prefill_ids() if role == "prefill" else r.decode_ids()
         for wid in ids:
@@ -164,7 +180,11 @@ class Pipeline:
                 r.queued_overlay.get(wid),
                 r.snapshot_time.get(wid, 0.0),
                 self.finished.get(wid) if prefill else None,
-                stale_before,  # older entries are long since reflected, or from an older epoch
+                now - 5.0,  # older entries are long since reflected, or from an older epoch
+                # the ledger's owed ms as our last hand-off there read it (HANDOFF script)
+                self.owed_overlay.get(wid) if prefill else None,
+                now,
+                1000.0 / float(snap.get("time_scale", 1.0) or 1.0),
             )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)
@@ -213,6 +233,7 @@ class Pipeline:
                 async for ev in self._execute(req, p):
                     yield ev
             outcome = self._outcome(req, p, "completed")
+            self.out_est.observe(len(p.output_ids))  # learns the model's output lengths
             await self._finish(req, p, "completed", outcome)
             self._observe(req, p, "ok")
             yield ("end", outcome)
@@ -228,7 +249,7 @@ class Pipeline:
         except ApiError as err:
             if p.stage != "new":
                 await self._abort(req, p, "cancelled" if err.code == "cancelled" else "failed", err)
-            elif err.code in ("no_worker", "draining", "overloaded"):  # refused before any state was written
+            elif err.code in ("no_worker", "draining", "overloaded", "slo_unattainable"):  # nothing written
                 self._observe(req, p, err.code)
             raise
         except RedisError as exc:  # fail_closed: shared state unreachable mid-request
@@ -262,7 +283,7 @@ class Pipeline:
             return
         views = self.views("decode")
         try:
-            dq = DecodeQuery(len(req.input_ids), req.max_new_tokens)
+            dq = DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens))
             p.decode_worker = self.r.decode_strategy.choose(dq, views, self.rng).worker_id
         except NoWorker as exc:
             need = len(req.input_ids) + req.max_new_tokens
@@ -286,7 +307,7 @@ class Pipeline:
         ]
         if dec:
             cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
-            need = len(req.input_ids) + req.max_new_tokens
+            need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
             cmds.append(["EVALSHA", r.store.sha("reserve"), 1, r.keys.reservations(dec), rid, need, cap])
         res = await self._round_trip(cmds)
         created = res[1]
@@ -326,17 +347,17 @@ class Pipeline:
 
     async def _record_and_append(
         self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
-    ) -> tuple[str | None, float, int]:
+    ) -> tuple[str | None, float, float, int]:
         """`_record` and the hand-off in ONE pipeline (DESIGN §3: the origin's only serial round
         trip), for ids the gateway generated. Returns (entry id or None when the queue is full,
-        queued ms, decode hold: 1 new / 0 refused / -1 no decode)."""
+        queued ms, owed ms, decode hold: 1 new / 0 refused / -1 no decode)."""
         r = self.r
         rid = req.request_id
         p.prefill_worker = wid
         fields = self._record_fields(req, p)
         sha = r.store.sha
         dec = p.decode_worker
-        need = len(req.input_ids) + req.max_new_tokens
+        need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
         cap = int(float(r.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0)) if dec else 0
         ids = p.packed or pack_tokens(req.input_ids)
         meta_json = json.dumps(meta, separators=(",", ":"))
@@ -357,13 +378,15 @@ class Pipeline:
             [
                 "EVALSHA",
                 sha("handoff"),
-                2,
+                3,
                 r.keys.queue(wid),
                 r.keys.queued_ms(wid),
+                r.keys.ledger(wid),
                 r.settings.max_queue_len,
                 f"{predicted:.6f}",
                 meta_json,
                 ids,
+                f"{self._scale(wid):g}",
             ]
         )
         # Whatever applied before a failure must be cleaned up as if handed off.
@@ -373,11 +396,15 @@ class Pipeline:
             await r.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
         held = int(res[2]) if dec else -1
-        entry, queued = _s(res[-1][0]), float(_s(res[-1][1]))
+        entry, queued, owed = _s(res[-1][0]), float(_s(res[-1][1])), float(_s(res[-1][2]))
         if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
             p.stage = "recorded"
-            return None, queued, held
-        return entry, queued, held
+            return None, queued, owed, held
+        return entry, queued, owed, held
+
+    def _scale(self, wid: str) -> float:
+        """The worker's time scale (wall ms per modelled ms) from its snapshot."""
+        return float(self.r.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
 
     async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
         """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
@@ -394,12 +421,12 @@ class Pipeline:
         each) before answering 429; the simulator showed most such refusals fit elsewhere."""
         r = self.r
         refused = {p.decode_worker}
-        need = len(req.input_ids) + req.max_new_tokens
+        need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
         for _ in range(tries):
             views = [v for v in self.views("decode") if v.id not in refused]
             try:
                 dec = r.decode_strategy.choose(
-                    DecodeQuery(len(req.input_ids), req.max_new_tokens), views, self.rng
+                    DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens)), views, self.rng
                 )
             except NoWorker:
                 return False
@@ -425,11 +452,13 @@ class Pipeline:
             p.packed = arr.tobytes()
             keys = block_keys(arr, bs, model=r.settings.model, tokenizer=r.tokenizer.name)
             now_s = time.time()
-            pchoice = self.choose_prefill(n_in, keys, bs, self.views("prefill", now_s), now_s)
+            pviews = self.views("prefill", now_s)
+            pchoice = self.choose_prefill(n_in, keys, bs, pviews, now_s)
         except NoWorker as exc:
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
             ) from None
+        self._admit(req, p, pchoice, pviews)
         retried = False
         for attempt in range(2):
             try:
@@ -485,6 +514,37 @@ class Pipeline:
             p.finish_reason = "length"
             return
 
+    def _admit(self, req: GenRequest, p: Progress, choice: Any, views: list[WorkerView]) -> None:
+        """SLO admission on the chosen worker (app/scheduling/admission.py), before anything is
+        handed off: a request that cannot meet its deadline there gets 429 `slo_unattainable`
+        at once instead of queueing where it would miss anyway and delay the rest."""
+        r = self.r
+        cfg = r.admission
+        if cfg.mode == "off":
+            return
+        view = next((v for v in views if v.id == choice.worker_id), None)
+        if view is None:
+            return
+        scale = float(r.snapshots.get(choice.worker_id, {}).get("time_scale", 1.0) or 1.0)
+        bc = r.batcher_config
+        own = choice.predicted_ms or r.formula.predict_batch(
+            [BatchItem(len(req.input_ids), choice.hit_tokens)]
+        )
+        wait = expected_batch_wait_ms(view, bc.wait_ms, bc.mode == "batch" and bc.algorithm == "fixed_window")
+        deadline = req.deadline_ms or bc.slo_ttft_ms * scale
+        budget = deadline - (time.perf_counter() - p.t0) * 1000
+        # + the gateway's own round trips (hand-off, owner read, reply): a deadline shorter than
+        # those is unattainable whatever the worker's load, and must be refused, not run late
+        v = admission_decide(cfg, view, own, budget - GATEWAY_FLOOR_MS, batch_wait_ms=wait, time_scale=scale)
+        if not v.admit:
+            M.ADMISSION_REJECTIONS.labels(v.reason).inc()
+            raise ApiError(
+                "slo_unattainable",
+                f"predicted time to first token {v.predicted_ms:.0f} ms on the best worker exceeds "
+                f"the deadline ({budget:.0f} ms left); retry later",
+                retry_after_s=v.retry_after_s,
+            )
+
     async def _prefill(
         self,
         req: GenRequest,
@@ -517,17 +577,37 @@ class Pipeline:
             "hit": hit_tokens,
             "att": attempt,
         }
+        if r.admission.mode != "off":
+            # the owner's batcher caps batches by it, and ends the request typed if it passes
+            # while queued when the client set it (or FLEXLB_ADMISSION_DROP_LATE=always)
+            slo = req.deadline_ms or r.batcher_config.slo_ttft_ms * self._scale(wid)
+            meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
+            if req.deadline_ms or r.admission.drop_late == "always":
+                meta["drop"] = 1
         if req.sampling:
             meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
+        # Counted on our overlay before the round trip: requests routed meanwhile on this replica
+        # (a burst) see it, rather than all ranking and admitting against the same queue.
+        ov = r.queued_overlay.get(wid)
+        base = ov[0] if ov is not None and ov[1] >= r.snapshot_time.get(wid, 0.0) else None
+        if base is None:
+            base = float(r.snapshots.get(wid, {}).get("queued_ms", 0.0) or 0.0)
+        r.queued_overlay[wid] = (base + predicted, time.time())
         held = -1
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
-            entry, queued, held = await self._record_and_append(req, p, wid, meta, predicted)
+            entry, queued, owed, held = await self._record_and_append(req, p, wid, meta, predicted)
         else:
-            entry, queued = await self.handoff.append(
-                wid, meta, p.packed or pack_tokens(req.input_ids), predicted, r.settings.max_queue_len
+            entry, queued, owed = await self.handoff.append(
+                wid,
+                meta,
+                p.packed or pack_tokens(req.input_ids),
+                predicted,
+                r.settings.max_queue_len,
+                self._scale(wid),
             )
+        self.owed_overlay[wid] = (owed, time.time())
         if entry is None:
             r.replies.forget(rid)
             if fresh:

@@ -28,13 +28,14 @@ def commit_step(batcher: Batcher, now_ms: float) -> Decision:
     ``wake_at_ms`` or new work)."""
     d = batcher.decide(now_ms)
     if d.items:
-        batcher.batch_started()
+        batcher.batch_started(d.items, now_ms)  # its predicted end: where the next batch starts
     return d
 
 
 def committed_ms(items: Iterable[_Predicted]) -> float:
-    """A batch's ledger entry: the sum of its members' predicted ms, which the commit also takes off
-    the worker's queued ms."""
+    """The sum of a batch's members' predicted ms: what their hand-offs added to the worker's
+    queued ms, and what the commit takes off it. The ledger entry itself is the batch's own
+    prediction (`Formula.predict_batch`): one forward pass pays the per-batch cost once."""
     return sum(i.predicted_ms for i in items)
 
 

@@ -56,7 +56,7 @@ __all__ = [
 
 ROLES = (PREFILL, DECODE)
 # The owner's batching modes (`batching_config` below maps each to batcher knobs).
-BATCHING_MODES = ("fixed_window", "slo", "direct")
+BATCHING_MODES = ("fixed_window", "slo", "direct", "window")
 DEFAULT_PREFILL_POLICY = "cost"
 DEFAULT_DECODE_POLICY = "kv_headroom"
 _FIT = {PREFILL: "prefill_fit", DECODE: "decode_fit"}
@@ -155,6 +155,8 @@ def batching_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | Non
         cfg = replace(b, algorithm="fixed_window", mode="batch")
     elif batching == "slo":
         cfg = replace(b, algorithm="slo", mode="batch", slo_ttft_ms=slo_ttft_ms)
+    elif batching == "window":
+        cfg = replace(b, algorithm="window", mode="batch", slo_ttft_ms=slo_ttft_ms)
     elif batching == "direct":
         cfg = replace(b, mode="direct")
     else:

@@ -251,6 +251,9 @@ def current_loads(
     snapshot_time: float,
     finished: list[tuple[float, float, float, float]] | None,
     stale_before: float,
+    fresh_owed: tuple[float, float] | None = None,
+    now: float = 0.0,
+    ms_per_unit: float = 1.0,
 ) -> tuple[float, float]:
     """A prefill worker's (queued ms, owed ms) as this origin should rank it: the snapshot's values,
     with the queued time replaced by this origin's own latest hand-off answer (``overlay``: queued
@@ -259,11 +262,17 @@ def current_loads(
     pruned in place, ``stale_before`` in its fourth field's unit).
 
     The one computation behind `Pipeline.views` (wall clock in s) and the simulator's views (modelled
-    ms), so a simulated replica ranks workers exactly as a live one does."""
+    ms), so a simulated replica ranks workers exactly as a live one does.
+
+    ``fresh_owed`` (owed ms, when): the ledger's owed time as this origin's latest hand-off read it
+    in its round trip; when not older than the snapshot it replaces the snapshot's owed time, aged
+    since (``now`` − when, × ``ms_per_unit`` modelled ms per unit of that clock)."""
     if overlay is not None and overlay[1] >= snapshot_time:
         queued_ms = overlay[0]
     if finished:
         owed_ms = owed_less_finished(owed_ms, snap_now_ms, finished, stale_before)
+    if fresh_owed is not None and fresh_owed[1] >= snapshot_time:
+        owed_ms = max(0.0, fresh_owed[0] - (now - fresh_owed[1]) * ms_per_unit)
     return queued_ms, owed_ms
 
 

@@ -51,24 +51,30 @@ from typing import Any
 from app.cache.mirror import CacheMirror
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import FINISH_LENGTH, EngineStatus
+from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
+from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
-from app.scheduling.routing import (
-    DecodeQuery,
-    NoWorker,
-)
+from app.scheduling.formula import BatchItem
+from app.scheduling.reserve import OutputLengthEstimator
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery
 from app.sim.config import SimConfig
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
 from app.sim.replica import SimReplica
 from app.traces.model import Trace
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
-from workers.engine.effects import BatchDone, DecodeFinished, Effect, PrefillResult
+from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
 from workers.engine.prefill import PrefillEngine, PrefillRequest
 
 __all__ = ["ClusterSim", "SimOutcome", "mean_cold_prefill_ms"]
 
 # Event kinds. At equal times the insertion number orders events, so ties are reproducible.
 _ARRIVAL, _HANDOFF, _TIMER, _PENGINE, _DENGINE, _REPLY, _RELEASE, _POLL, _REFRESH = range(9)
+
+_NO_ADMISSION = AdmissionConfig(mode="off")
+
+# A ledger batch the engine has not started yet: it owes its whole prediction (elapsed 0).
+_NOT_STARTED = float("inf")
 
 # Engine statuses the origin maps to API codes (app/request/pipeline.py ENGINE_TO_API).
 _ENGINE_TO_API = {
@@ -121,17 +127,22 @@ class ClusterSim:
         ]
         self.deng = [
             _SimDecodeEngine(
-                cfg.decode_profile(), seed=cfg.seed * 100_003 + i, max_running=cfg.decode_max_running
+                cfg.decode_profile(),
+                seed=cfg.seed * 100_003 + i,
+                max_running=cfg.decode_max_running,
+                admission=cfg.decode_admission,
             )
             for i in range(nd)
         ]
         predict = self.formula.predict_batch
         self.batchers = [Batcher(batcher, predict) for _ in range(np_)]
+        self._window_batching = batcher.mode == "batch" and batcher.algorithm == "fixed_window"
         # "Redis": gateway-side shared state.
         self.queued_ms = [0.0] * np_  # hand-off queue's predicted ms per prefill worker
         self.queue_items = [0] * np_
         self.ledger: list[dict[str, list[float]]] = [{} for _ in range(np_)]  # bid → [pred, start, left]
         self.reserved = [0] * nd
+        self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
         self.mirror = CacheMirror(cfg.speculative_ttl_ms, holders_index=True)
         self.cache_version: list[int | None] = [None] * np_
         # Published snapshots (the owners' last poll) and their versions.
@@ -252,14 +263,14 @@ class ClusterSim:
         rid = f"r{i}"
         # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
         if max_new > 1:
-            dq = DecodeQuery(size, max_new)
+            dq = DecodeQuery(size, self.out_est.reserve(max_new))
             try:
                 d = rep.choose_decode(dq)
             except NoWorker:
                 self.rejections["decode_no_kv_headroom"] += 1
                 self._fail(i, "no_worker")
                 return
-            need = size + max_new
+            need = size + dq.max_new_tokens
             refused: list[str] = []
             while self.reserved[d] + need > self.deng[d].capacity:
                 # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
@@ -280,16 +291,39 @@ class ClusterSim:
             st.decode = d
             st.reserved = need
         keys = self.trace.full_block_keys(tr)
+        rep.age(self.now)  # the live origin ages owed ms read by its hand-offs per request
+        q = rep.prefill_query(size, keys, self.now)
         try:
-            choice = rep.choose_prefill(size, keys, self.now)
+            if rep.peer is not None:
+                waiting = {self.pids[j]: n for j, n in enumerate(self.queue_items)}
+                choice = rep.peer.choose(keys, q, rep.pviews, rep.rng, waiting)
+            else:
+                choice = rep.choose_prefill(q)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
+        if self.cfg.fresh_pick and rep.peer is None and rep.pstrat.name == "cost":
+            choice = self._fresh_pick(rep, q, choice)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
             self._fail(i, "overloaded")
+            return
+        # SLO admission on the chosen worker, as the live origin does before its hand-off. Peer
+        # imitations run without it: the routers they imitate have none.
+        own_ms = choice.predicted_ms or self.formula.predict_batch([BatchItem(size, choice.hit_tokens)])
+        view = rep.pviews[w]
+        verdict = admission_decide(
+            self.cfg.admission if rep.peer is None else _NO_ADMISSION,
+            view,
+            own_ms,
+            self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
+            batch_wait_ms=expected_batch_wait_ms(view, self.bcfg.wait_ms, self._window_batching),
+        )
+        if not verdict.admit:
+            self.rejections[verdict.reason] += 1
+            self._fail(i, "slo_unattainable")
             return
         st.prefill = w
         st.predicted_ms = choice.predicted_ms
@@ -298,13 +332,49 @@ class ClusterSim:
         self.queue_items[w] += 1
         self.p_dirty[w] = True
         rep.overlay[w] = (self.queued_ms[w], self.now)
+        rep.note_fresh_owed(w, self._live_load(w) - self.queued_ms[w], self.now)  # the script's read
         cap = hit_blocks_cap(size, self.bs)
         if keys:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
         rep.pviews[w] = rep.pview(w, self.now)
         rep.routed_since_pool += 1
-        pend = Pending(rid, size, choice.hit_tokens, 0.0, choice.predicted_ms, i)
+        # Trace requests name no deadline of their own: held to the cluster SLO (it caps batches),
+        # ended late by the owner only when told to, as the live origin does.
+        adm = self.cfg.admission
+        slo = adm.mode == "slo" and rep.peer is None
+        pend = Pending(
+            rid,
+            size,
+            choice.hit_tokens,
+            0.0,
+            choice.predicted_ms,
+            i,
+            deadline_ms=tr.arrival_ms + self.cfg.slo_ttft_ms if slo else 0.0,
+            drop_late=slo and adm.drop_late == "always",
+        )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
+
+    def _live_load(self, w: int) -> float:
+        """What the hand-off script reads in its round trip: the ledger's owed ms now plus the
+        queued ms, including every replica's hand-offs since the last snapshot."""
+        ledger = self.ledger[w].values()
+        return owed_ms(((pred, start) for pred, start, _left in ledger), self.now) + self.queued_ms[w]
+
+    def _fresh_pick(self, rep: SimReplica, q: PrefillQuery, choice: Any) -> Any:
+        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
+        the strategy's pick and its runner-up by this replica's possibly stale view are compared
+        on the shared state as a hand-off script would read it, and the request goes where it is
+        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
+        views = [v for v in rep.pviews if v.id != choice.worker_id]
+        try:
+            alt = rep.pstrat.choose(q, views, rep.rng)
+        except NoWorker:
+            return choice
+        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
+        ca = choice.predicted_ms + self._live_load(a)
+        cb = alt.predicted_ms + self._live_load(b)
+        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
+        return alt if cb < ca - tie else choice
 
     # ---- owner: batcher decisions and dispatch ---------------------------------------------
     def _decide(self, w: int) -> None:
@@ -314,6 +384,8 @@ class ClusterSim:
         while True:
             d = commit_step(b, self.now)
             for p, code in d.failed:
+                if code == "deadline_exceeded":
+                    self.rejections["deadline_passed_in_queue"] += 1
                 self.queued_ms[w] = max(0.0, self.queued_ms[w] - p.predicted_ms)
                 self.queue_items[w] -= 1
                 api = _ENGINE_TO_API.get(code, code)
@@ -330,14 +402,16 @@ class ClusterSim:
     def _dispatch(self, w: int, items: list[Pending]) -> None:
         self.n_batches += 1
         bid = f"b{self.n_batches}"
-        predicted = committed_ms(items)
+        taken = committed_ms(items)
         for p in items:
             self.queue_items[w] -= 1
             self.reqs[p.payload].batch_size = len(items)
-        # commit_batch: the ledger anchors the batch at its dispatch; handoff.take removes it from
-        # the queued time.
-        self.ledger[w][bid] = [predicted, self.now, float(len(items))]
-        self.queued_ms[w] = max(0.0, self.queued_ms[w] - predicted)
+        # commit_batch: the ledger owes the batch's own prediction, not yet started (it owes all
+        # of it until the engine's BatchStarted anchors it); handoff.take removes the members'
+        # hand-off predictions from the queued time.
+        predicted = self.formula.predict_batch([p.item for p in items])
+        self.ledger[w][bid] = [predicted, _NOT_STARTED, float(len(items))]
+        self.queued_ms[w] = max(0.0, self.queued_ms[w] - taken)
         self.dispatched_predicted += predicted
         self.p_dirty[w] = True
         tr = self.trace
@@ -358,8 +432,12 @@ class ClusterSim:
                 else:
                     res = (_ENGINE_TO_API.get(e.status, "worker_error"), e)
                 self._push(self.now + self.cfg.reply_latency_ms, _REPLY, i, res)
+            elif isinstance(e, BatchStarted):
+                entry = self.ledger[w].get(e.batch_id)
+                if entry is not None:  # owed time runs from the engine's real start
+                    entry[1] = e.t_ms
             elif isinstance(e, BatchDone):
-                self.batchers[w].batch_finished()
+                self.batchers[w].batch_finished(self.now)
         self.p_dirty[w] = True
 
     def _settle(self, w: int, bid: str) -> None:
@@ -374,6 +452,9 @@ class ClusterSim:
     def _reply(self, i: int, res: tuple[str | None, PrefillResult | None]) -> None:
         code, r = res
         st = self.reqs[i]
+        peer = self.replicas[st.origin].peer
+        if peer is not None and st.prefill >= 0:
+            peer.finished(self.pids[st.prefill], -(-self.trace.requests[i].input_len // self.bs))
         if code is not None:
             self._fail(i, code)
             return
@@ -412,6 +493,7 @@ class ClusterSim:
                 i = int(e.request_id[1:])
                 if e.reason == FINISH_LENGTH:
                     self.reqs[i].t_end = e.t_ms
+                    self.out_est.observe(e.generated + 1)  # + the first token, from prefill
                     self._complete(i)
                 else:
                     self._fail(i, "worker_error")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.config import Settings
+from app.scheduling.admission import AdmissionConfig
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, UPSTREAM_FITTED_FORMULA, Formula, compile_formula
 from app.scheduling.policy import BATCHING_MODES, PolicyBook
@@ -73,6 +74,14 @@ class SimConfig:
     full_scan_max: int = 64
     candidates: int = 16
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
+    # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
+    admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
+    # `cost` compares its pick and runner-up on fresh shared load (app/sim/cluster.py _fresh_pick).
+    fresh_pick: bool = False
+    # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
+    # and the decode engines' admission (reserve | expected: on use, with preemption).
+    reserve_output_tokens: str = field(default_factory=lambda: _settings().reserve_output_tokens)
+    decode_admission: str = "reserve"
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:
@@ -83,6 +92,7 @@ class SimConfig:
             raise ValueError("poll interval must be > 0 and latencies >= 0")
         if self.candidates < 1:
             raise ValueError("candidates must be >= 1")
+        self.admission.validate()
 
     def policy_book(self) -> PolicyBook:
         """The policies a run may name: built-in plus declared (ValueError if a declared one is bad)."""

@@ -22,6 +22,7 @@ from app.scheduling.routing import (
     current_loads,
     top_candidates,
 )
+from app.sim.peers import PEERS, make_peer
 
 if TYPE_CHECKING:
     from app.sim.cluster import ClusterSim
@@ -42,7 +43,9 @@ class SimReplica:
         self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
+        # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
+        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
+        self.pstrat = sim.book.build(PREFILL, "cost" if self.peer else policy, sim.formula)
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
@@ -50,6 +53,8 @@ class SimReplica:
         self.d_seen = [-1] * cfg.decode
         self.snap_time = -1.0
         self.overlay: dict[int, tuple[float, float]] = {}
+        self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
+        self.aging: dict[int, float] = {}  # worker → when its fresh owed ms reaches 0
         self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
         self.spec = SpecIndex(cfg.speculative_ttl_ms, cfg.speculative_max_entries)
         self.pviews: list[WorkerView] = []
@@ -60,12 +65,15 @@ class SimReplica:
         self.dband: list[int] | None = None
         self.band_rng = random.Random(f"{cfg.seed}:band:{idx}")
 
-    def choose_prefill(self, size: int, keys: Sequence[int], now: float) -> Choice:
-        """The prefill policy's choice for a prompt of ``size`` tokens whose full blocks hash to
-        ``keys``, as `Pipeline.choose_prefill` makes it: hits from the mirror's `match_fast` with
-        this replica's speculative entries; over a shortlist on a large fleet (app/sim/cluster.py)."""
+    def prefill_query(self, size: int, keys: Sequence[int], now: float) -> PrefillQuery:
+        """The prompt as the prefill policy sees it, as `Pipeline.choose_prefill` builds it: hits
+        from the mirror's `match_fast` with this replica's speculative entries."""
         hits = self.mirror.match_fast(keys, now, self.spec) if keys else {}
-        q = PrefillQuery(size, hits, self.bs)
+        return PrefillQuery(size, hits, self.bs)
+
+    def choose_prefill(self, q: PrefillQuery) -> Choice:
+        """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
+        hits = q.hit_blocks
         cfg = self.cfg
         views = self.pviews
         n = len(views)
@@ -157,6 +165,8 @@ class SimReplica:
             self.dviews = [self.dview(d) for d in range(len(self.dids))]
         changed = set(self.overlay)  # the refresh makes every overlay older than the snapshot
         self.overlay.clear()
+        self.fresh_owed.clear()
+        self.aging.clear()
         for w, ver in enumerate(p_pub_ver):
             if ver != self.p_seen[w]:
                 self.p_seen[w] = ver
@@ -179,11 +189,34 @@ class SimReplica:
         self.pool = None
         self.spec.expire(now)
 
+    def note_fresh_owed(self, w: int, owed_ms: float, now: float) -> None:
+        """The ledger's owed ms as our hand-off's round trip read it (the live `owed_overlay`)."""
+        self.fresh_owed[w] = (owed_ms, now)
+        if owed_ms > 0:
+            self.aging[w] = now + owed_ms
+
+    def age(self, now: float) -> None:
+        """Rebuild the views whose fresh owed ms are still running down: the live origin ages them
+        per request (`current_loads`), where this replica otherwise rebuilds a view only when its
+        inputs change."""
+        for w, until in list(self.aging.items()):
+            self.pviews[w] = self.pview(w, now)
+            if until <= now:
+                del self.aging[w]
+
     def pview(self, w: int, now: float) -> WorkerView:
         """`Pipeline.views("prefill")` for one worker, from this replica's copy of the snapshot."""
         s = self.psnap[w]
         queued, owed = current_loads(
-            s[4], s[5], s[6], self.overlay.get(w), self.snap_time, self.finished.get(w), now - 5000.0
+            s[4],
+            s[5],
+            s[6],
+            self.overlay.get(w),
+            self.snap_time,
+            self.finished.get(w),
+            now - 5000.0,
+            self.fresh_owed.get(w),
+            now,
         )
         return WorkerView(
             id=self.pids[w],

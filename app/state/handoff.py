@@ -35,18 +35,24 @@ class Handoff:
         self.keys: Keys = store.keys
 
     async def append(
-        self, wid: str, meta: Mapping[str, Any], ids: bytes, predicted_ms: float, max_len: int
-    ) -> tuple[str | None, float]:
+        self,
+        wid: str,
+        meta: Mapping[str, Any],
+        ids: bytes,
+        predicted_ms: float,
+        max_len: int,
+        time_scale: float = 1.0,
+    ) -> tuple[str | None, float, float]:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
-        worker's queued predicted ms after this call). `meta` travels as one JSON field, the token
-        ids as one binary field."""
+        worker's queued predicted ms after this call, its ledger's owed ms now). `meta` travels
+        as one JSON field, the token ids as one binary field."""
         res = await self.store.run_script(
             "handoff",
-            [self.keys.queue(wid), self.keys.queued_ms(wid)],
-            [max_len, f"{predicted_ms:.6f}", json.dumps(meta, separators=(",", ":")), ids],
+            [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)],
+            [max_len, f"{predicted_ms:.6f}", json.dumps(meta, separators=(",", ":")), ids, f"{time_scale:g}"],
         )
         entry = to_str(res[0])
-        return (None if entry == "-1" else entry), float(to_str(res[1]))
+        return (None if entry == "-1" else entry), float(to_str(res[1])), float(to_str(res[2]))
 
     async def ensure_group(self, wid: str) -> None:
         """The owners' consumer group; created from the stream's start so nothing queued before

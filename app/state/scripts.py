@@ -120,6 +120,18 @@ return 1
 """
 )
 
+# KEYS: ledger; ARGV: batch_id, start_ms → 1 moved, 0 not there (settled meanwhile: nothing to do).
+# Only the `start_ms` text is replaced, the rest of the entry stays byte for byte (see SETTLE).
+ANCHOR_BATCH = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local a, b = string.find(raw, '"start_ms":[^,}]*')
+if not a then return 0 end
+local moved = string.sub(raw, 1, a - 1) .. '"start_ms":' .. ARGV[2] .. string.sub(raw, b + 1)
+redis.call('HSET', KEYS[1], ARGV[1], moved)
+return 1
+"""
+
 # KEYS: ledger, tombstones; ARGV: batch_id, done_ttl_ms → number of members settled (0: not there).
 SETTLE_BATCH = (
     _NOW_MS
@@ -230,20 +242,45 @@ local function add_queued_ms(delta)
 end
 """
 
-# KEYS: queue STREAM, queued_ms STRING; ARGV: max_len, predicted_ms, meta (JSON), ids (packed int32)
-# → {entry_id, queued_ms} | {-1, queued_ms} refused at the queue bound (429 overloaded).
+# Owed ms of the worker's ledger now (KEYS[3]; ARGV[5] the worker's time scale): what the
+# poller publishes, read fresh in the hand-off's round trip (see HANDOFF).
+_OWED_MS = """
+local function owed_ms()
+  local scale = tonumber(ARGV[5]) or 1
+  if scale <= 0 then scale = 1 end
+  local t = redis.call('HGETALL', KEYS[3])
+  local owed = 0
+  for i = 2, #t, 2 do
+    local b = cjson.decode(t[i])
+    local el = (now_ms - (tonumber(b['start_ms']) or now_ms)) / scale
+    if el < 0 then el = 0 end
+    local left = (tonumber(b['predicted_ms']) or 0) - el
+    if left > 0 then owed = owed + left end
+  end
+  return string.format('%.3f', owed)
+end
+"""
+
+# KEYS: queue STREAM, queued_ms STRING, ledger HASH; ARGV: max_len, predicted_ms, meta (JSON),
+# ids (packed int32), time_scale → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms}
+# refused at the queue bound (429 overloaded).
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
-# its snapshot is exactly what the queue holds (DESIGN §3 step 6). A fixed, small argument list on
-# purpose: Redis 6.2 (the embedded server) corrupts its heap when `redis.call` gets a long
-# `unpack()`ed argument list.
+# its snapshot is exactly what the queue holds (DESIGN §3 step 6); the ledger's owed time comes
+# back with it, so the origin's view of the worker is fresh as of this round trip, other
+# replicas' hand-offs and the owner's commits included (a batch leaving the queue for the ledger
+# moves its time from queued to owed, and a snapshot-only owed would lose it until the next poll).
+# A fixed, small argument list on purpose: Redis 6.2 (the embedded server) corrupts its heap
+# when `redis.call` gets a long `unpack()`ed argument list.
 HANDOFF = (
-    _ADD_QUEUED_MS
+    _NOW_MS
+    + _ADD_QUEUED_MS
+    + _OWED_MS
     + """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
-  return {-1, redis.call('GET', KEYS[2]) or '0'}
+  return {-1, redis.call('GET', KEYS[2]) or '0', owed_ms()}
 end
 local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
-return {id, add_queued_ms(tonumber(ARGV[2]))}
+return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 """
 )
 
@@ -268,6 +305,7 @@ ALL: dict[str, str] = {
     "release": RELEASE,
     "commit_batch": COMMIT_BATCH,
     "settle": SETTLE,
+    "anchor_batch": ANCHOR_BATCH,
     "settle_batch": SETTLE_BATCH,
     "tombstone": TOMBSTONE,
     "write_snapshot": WRITE_SNAPSHOT,

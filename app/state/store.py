@@ -266,6 +266,14 @@ class StateStore:
         )
         return int(res) == 1
 
+    async def anchor_batch(self, wid: str, batch_id: str, start_ms: float) -> bool:
+        """Move a committed batch's `start_ms` to where the engine really started it (the owner
+        learns it from the worker's `accepted` and from the end of the batch ahead). Only that
+        field changes; a batch already settled is left alone and False comes back."""
+        args = [batch_id, f"{float(start_ms):.3f}"]
+        res = await self.run_script("anchor_batch", [self.keys.ledger(wid)], args)
+        return int(res) == 1
+
     async def settle_batch(self, wid: str, batch_id: str) -> int:
         """Settle every remaining member of a batch at once and return how many there were.
 

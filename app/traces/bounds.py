@@ -51,7 +51,7 @@ def _infinite_hits(trace: Trace) -> list[int]:
 
 
 def _lru_hits(trace: Trace, capacity_tokens: int) -> list[int]:
-    """Leading hit blocks per request with one LRU of ``capacity_tokens // block_size`` blocks.
+    """Leading hit blocks per request with one LRU of ``capacity_tokens // block_size`` full blocks.
 
     After matching, a request's blocks are touched last block first, so its first blocks become the
     most recently used: a chain is evicted from its tail, as block-paged engines do, and a prefix
@@ -64,10 +64,13 @@ def _lru_hits(trace: Trace, capacity_tokens: int) -> list[int]:
     out: list[int] = []
     move = lru.move_to_end
     for r in trace.requests:
-        out.append(_leading(r.block_hashes, lru))
+        # Full blocks only, as the engine caches them (`Trace.full_block_keys`): a Mooncake
+        # partial last block is never cached, so it must neither hit nor take room.
+        keys = trace.full_block_keys(r)
+        out.append(_leading(keys, lru))
         if cap == 0:
             continue
-        for h in reversed(r.block_hashes):
+        for h in reversed(keys):
             if h in lru:
                 move(h)
             else:

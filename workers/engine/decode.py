@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from app.protocol.codes import FINISH_LENGTH, EngineStatus
+from app.scheduling.formula import BatchItem
 
 from .effects import DecodeChunk, DecodeFinished, Effect
 from .faults import Faults
@@ -41,6 +42,15 @@ class _Seq:
     gen_base: int = 0  # tokens generated at the current segment start
     emitted: int = 0  # tokens already handed to the driver
     phase: str = "fetching"  # fetching | waiting | running
+    resume: int = 0  # tokens generated before a preemption (kept; recomputed, not regenerated)
+
+
+#: How the engine admits a waiting sequence: `reserve` holds prompt + max_new_tokens of KV for it
+#: from admission to its end (never preempts); `expected` admits on the KV it uses now (prompt +
+#: generated) and, when the running batch's growth would overflow the KV, preempts the most
+#: recently admitted sequence (vLLM's recompute policy): its KV is freed, it waits again, and on
+#: readmission recomputes prompt + generated tokens (a prefill of that length) before going on.
+ADMISSIONS = ("reserve", "expected")
 
 
 class DecodeEngine:
@@ -52,7 +62,12 @@ class DecodeEngine:
         kv_capacity_tokens: int | None = None,
         max_running: int = 256,
         faults: Faults | None = None,
+        admission: str = "reserve",
     ) -> None:
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}")
+        self.admission = admission
+        self.preemptions = 0
         self.profile = profile
         self.seed = seed
         self.capacity = kv_capacity_tokens or profile.kv_capacity_tokens
@@ -110,7 +125,7 @@ class DecodeEngine:
             gen = self._gen_at(s, self.now)
             effects.extend(self._emit(s, gen))
             self._running.remove(request_id)
-            self._used -= s.need_kv
+            self._used -= self._held(s)
             if self._running:
                 self._mark_dirty()
             else:
@@ -201,11 +216,12 @@ class DecodeEngine:
 
     # ---- views ---------------------------------------------------------------------------
     def kv_view(self) -> dict[str, int]:
+        used = self._used if self.admission == "reserve" else self._usage(self.now)
         return {
             "kv_total_tokens": self.capacity,
-            "kv_free_tokens": max(0, self.capacity - self._used),
+            "kv_free_tokens": max(0, self.capacity - used),
             "kv_evictable_tokens": 0,
-            "kv_pinned_tokens": self._used,
+            "kv_pinned_tokens": used,
         }
 
     def live_view(self) -> dict[str, list[str]]:
@@ -274,28 +290,65 @@ class DecodeEngine:
         for rid in finished:
             s = self._seqs.pop(rid)
             self._running.remove(rid)
-            self._used -= s.need_kv
+            self._used -= self._held(s)
             effects.append(DecodeFinished(rid, FINISH_LENGTH, s.emitted, t))
         self._seg_start = t
         self._dirty = False
         effects.extend(self._admit(rebased=True))
+        self._preempt_for_growth()
         self._new_segment()
         return effects
+
+    # ---- expected-use admission ----------------------------------------------------------
+    def _held(self, s: _Seq) -> int:
+        """KV counted in `_used` for a running sequence (reserve mode; 0 in expected mode,
+        where usage is computed from the tokens generated)."""
+        return s.need_kv if self.admission == "reserve" else 0
+
+    def _usage(self, t: float) -> int:
+        """KV the running sequences hold at `t`: prompt + tokens generated so far."""
+        return sum(
+            self._seqs[r].req.input_tokens + max(0, self._gen_at(self._seqs[r], t)) for r in self._running
+        )
+
+    def _preempt_for_growth(self) -> None:
+        """At a segment start: while the next step's tokens would not fit, preempt the most
+        recently admitted running sequence (it recomputes later; nothing it emitted is lost)."""
+        if self.admission == "reserve":
+            return
+        while len(self._running) > 1 and self._usage(self._seg_start) + len(self._running) > self.capacity:
+            rid = self._running.pop()
+            s = self._seqs[rid]
+            s.resume = max(0, s.gen_base)
+            s.phase = "fetching"
+            self.preemptions += 1
+            ctx = s.req.input_tokens + s.resume
+            ready = self.now + self.profile.prefill_batch_ms([BatchItem(ctx, 0)])
+            self._fetch_n += 1
+            heapq.heappush(self._fetch_heap, (ready, self._fetch_n, rid))
 
     def _admit(self, rebased: bool = False) -> list[Effect]:
         was_idle = not self._running
         admitted = False
+        expected = self.admission == "expected"
+        used = self._usage(self.now) if expected and self._running else self._used
         while self._waiting and len(self._running) < self.max_running:
             s = self._seqs[self._waiting[0]]
-            if self._used + s.need_kv > self.capacity:
+            # expected: what it holds now plus one step's growth of every running sequence and its own
+            need = s.req.input_tokens + s.resume + len(self._running) + 1 if expected else s.need_kv
+            if used + need > self.capacity:
                 break  # waits (does not fail) until running sequences free KV
             self._waiting.popleft()
-            self._used += s.need_kv
+            if expected:
+                used += s.req.input_tokens + s.resume
+            else:
+                self._used += s.need_kv
+                used = self._used
             s.phase = "running"
             admitted = True
             # An idle engine starts a segment now; otherwise the sequence joins at the next step
-            # boundary (a negative base makes it reach 0 tokens exactly there).
-            s.gen_base = 0 if (was_idle or rebased) else -self._pending_offset()
+            # boundary (a negative base makes it reach its resume point exactly there).
+            s.gen_base = s.resume if (was_idle or rebased) else s.resume - self._pending_offset()
             self._running.append(s.req.request_id)
         if admitted and not rebased:
             if was_idle:
@@ -329,4 +382,8 @@ class DecodeEngine:
             remaining.append(s.req.max_new_tokens - s.gen_base)
         self._step_ms = max(EPS, self.profile.decode_step_ms(len(self._running), ctx))
         steps = min(min(remaining), REBASE_STEPS)
+        if self.admission == "expected":
+            # end the segment where the batch's growth fills the KV: preemption happens there
+            room = (self.capacity - self._usage(self._seg_start)) // len(self._running)
+            steps = max(1, min(steps, room))
         self._seg_end = self._seg_start + steps * self._step_ms

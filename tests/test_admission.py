@@ -1,0 +1,142 @@
+"""SLO admission (pure decision) and the batcher's predicted-time window and deadline drop."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.scheduling.admission import AdmissionConfig, decide, expected_batch_wait_ms, predicted_ttft_ms
+from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.formula import BatchItem
+from app.scheduling.routing import WorkerView
+
+
+def view(owed: float = 0.0, queued: float = 0.0) -> WorkerView:
+    return WorkerView(id="prefill-0", role="prefill", up=True, owed_ms=owed, queued_ms=queued)
+
+
+def test_predicted_ttft_is_backlog_plus_wait_plus_own_prefill_scaled() -> None:
+    assert predicted_ttft_ms(view(1000, 500), 200, 30) == pytest.approx(1730)
+    assert predicted_ttft_ms(view(1000, 500), 200, 30, time_scale=0.1) == pytest.approx(173)
+
+
+def test_admit_within_budget_refuse_beyond_with_retry_after() -> None:
+    cfg = AdmissionConfig(slack=0.0)
+    ok = decide(cfg, view(2000, 500), 400, 3000)
+    assert ok.admit and ok.predicted_ms == pytest.approx(2900)
+    no = decide(cfg, view(4000, 1500), 400, 3000)
+    assert not no.admit and no.reason == "slo_unattainable"
+    assert no.retry_after_s == pytest.approx(2.9)  # the backlog's excess over the budget
+    assert decide(cfg, view(), 10, 0).admit is False  # already late: nothing can meet it
+    # slack admits borderline predictions; off admits everything
+    assert decide(AdmissionConfig(slack=0.5), view(3000, 500), 400, 3000).admit
+    assert decide(AdmissionConfig(mode="off"), view(1e9), 400, 3000).admit
+    with pytest.raises(ValueError):
+        AdmissionConfig(mode="maybe").validate()
+
+
+def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:
+    assert expected_batch_wait_ms(view(), 30, True) == 0.0
+    assert expected_batch_wait_ms(view(10), 30, True) == 30.0
+    assert expected_batch_wait_ms(view(10), 30, False) == 0.0
+
+
+def _predict(items: list[BatchItem]) -> float:
+    return 100.0 + sum(i.input_tokens - i.hit_tokens for i in items) * 0.1  # 100 ms per batch
+
+
+def test_window_is_work_conserving_and_batches_what_accumulates_while_full() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=1), _predict)
+    b.add(Pending("a", 100, 0, 0.0))
+    d = b.decide(0.0)
+    assert [p.id for p in d.items] == ["a"] and d.reason == "idle"  # idle worker: at once
+    b.batch_started(d.items, 0.0)  # predicted 110 ms on the engine
+    b.add(Pending("b", 100, 0, 10.0))
+    b.add(Pending("c", 100, 0, 20.0))
+    assert not b.decide(20.0).items  # the worker is full: they accumulate (no timer needed)
+    b.batch_finished(90.0)  # `a` ended early: b and c go now, as one batch (it pays)
+    d = b.decide(90.0)
+    assert [p.id for p in d.items] == ["b", "c"] and d.reason == "idle"
+    b.batch_started(d.items, 90.0)
+    assert b.busy_until(100.0) == pytest.approx(90.0 + 120.0)
+    # behind a busy worker with room for another batch, an item goes at once (never held back)
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=2), _predict)
+    b.batch_started([Pending("x", 100, 0, 0.0)], 0.0)
+    b.add(Pending("y", 100, 0, 1.0))
+    d = b.decide(1.0)
+    assert [p.id for p in d.items] == ["y"] and d.reason == "window"
+
+
+def test_window_caps_the_batch_by_its_members_deadlines_and_drops_the_late() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 1000, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)  # busy until 200: x's batch starts then
+    # x's deadline (345) fits x+y (ends 200 + 100 + 40 = 340), not x+y+z (ends 350)
+    b.add(Pending("x", 200, 0, 1.0, deadline_ms=345.0))
+    b.add(Pending("y", 200, 0, 2.0, deadline_ms=5000.0))
+    b.add(Pending("z", 100, 0, 3.0, deadline_ms=5000.0))
+    d = b.decide(200.0)
+    assert [p.id for p in d.items] == ["x", "y"]
+    # a queued item whose deadline passed ends typed instead of running
+    b.add(Pending("late", 1000, 0, 4.0, deadline_ms=250.0, drop_late=True))
+    b.add(Pending("kept", 1000, 0, 4.0, deadline_ms=250.0))  # held to the SLO, not dropped: it runs
+    d = b.decide(300.0)
+    assert [(p.id, code) for p, code in d.failed] == [("late", "deadline_exceeded")]
+    assert "kept" in [p.id for p in b.pending] + [p.id for p in d.items]
+
+
+def test_fixed_window_timer_fires_at_its_own_wake_time() -> None:
+    # 0.1 + 0.2 != 0.3 in floats: deciding at the returned wake time must flush, or a driver that
+    # sleeps until exactly then (the simulator) would spin on the same instant forever.
+    b = Batcher(BatcherConfig(algorithm="fixed_window", wait_ms=0.2), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    b.add(Pending("b", 10, 0, 0.1))
+    d = b.decide(0.1)
+    assert not d.items and d.wake_at_ms is not None
+    d = b.decide(d.wake_at_ms)
+    assert [p.id for p in d.items] == ["b"] and d.reason == "timeout"
+
+
+def test_window_batches_only_what_pays() -> None:
+    # Long prompts share little (100 ms fixed vs 200 ms each): a batch would make the first wait
+    # for all of them, so they go one at a time; short ones share the fixed cost and batch.
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    for i in range(3):
+        b.add(Pending(f"long{i}", 2000, 0, 1.0))
+    assert [p.id for p in b.decide(101.0).items] == ["long0"]
+    b = Batcher(BatcherConfig(algorithm="window", guard_ms=0.0), _predict)
+    b.add(Pending("a", 10, 0, 0.0))
+    b.batch_started(b.decide(0.0).items, 0.0)
+    for i in range(3):
+        b.add(Pending(f"short{i}", 100, 0, 1.0))
+    assert [p.id for p in b.decide(101.0).items] == ["short0", "short1", "short2"]
+
+
+def test_output_reservation_learns_mean_or_percentile_capped_by_max() -> None:
+    from app.scheduling.reserve import OutputLengthEstimator
+
+    est = OutputLengthEstimator("p90", min_samples=10)
+    assert est.reserve(500) == 500  # nothing learned yet: the maximum
+    for n in range(1, 101):
+        est.observe(n)
+    assert est.reserve(500) == 90 and est.reserve(40) == 40
+    mean = OutputLengthEstimator("mean", min_samples=10)
+    for n in range(1, 101):
+        mean.observe(n)
+    assert mean.reserve(500) == 51  # ceil(50.5)
+    assert OutputLengthEstimator("max").reserve(500) == 500
+    with pytest.raises(ValueError):
+        OutputLengthEstimator("p0")
+
+
+def test_a_full_worker_wakes_the_batcher_at_the_first_droppable_deadline() -> None:
+    b = Batcher(BatcherConfig(algorithm="window", max_inflight_batches=1), _predict)
+    b.batch_started([Pending("x", 100, 0, 0.0)], 0.0)
+    b.add(Pending("soon", 100, 0, 1.0, deadline_ms=50.0, drop_late=True))
+    b.add(Pending("capped", 100, 0, 1.0, deadline_ms=20.0))  # not droppable: no timer for it
+    d = b.decide(1.0)
+    assert not d.items and d.wake_at_ms == 50.0
+    d = b.decide(50.5)
+    assert [(p.id, code) for p, code in d.failed] == [("soon", "deadline_exceeded")]

@@ -1,0 +1,126 @@
+"""The live overload check (issue 15): a burst at several times one prefill worker's capacity,
+through a real gateway, Redis and Triton workers. SLO admission admits what the worker can serve
+within each request's deadline and answers the rest 429 `slo_unattainable` at once, with
+Retry-After; every admitted request's TTFT stays within its deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from app.rpc.worker_client import WorkerClient
+
+from .gateways import ADMIN_TOKEN, start_gateway, wait_for
+
+SLO_MS = 3000
+
+
+def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    p = worker_pool["prefill"][0]
+    d = worker_pool["decode"][0]
+
+    async def conf(reset: bool) -> None:
+        for addr, kw in ((p.address, {"formula": "500", "time_scale": 1.0}), (d.address, {})):
+            c = WorkerClient(addr)
+            await c.reset()
+            if not reset and kw:
+                await c.configure(**kw)
+            await c.close()
+
+    asyncio.run(conf(reset=False))
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
+    try:
+        wait_for(lambda: gw.readyz()["ready"], 15, what="ready")
+        # One request per batch (so capacity is exactly 1 per 500 ms) and a gateway predictor
+        # a little pessimistic (600 ms), as a calibrated one should be.
+        h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        cfg = {"schedule_mode": "direct", "prefill_time_formula": "600"}
+        assert httpx.put(gw.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(lambda: "runtime config v1 applied" in gw.log(), 5, what="config applied")
+        n = 16  # ~9.6 s of work offered at once against a 3 s deadline: ~3x what fits
+
+        async def one(c: httpx.AsyncClient, i: int) -> tuple[int, float, dict, str]:
+            body: dict = {"prompt": f"overload {i} " + "w" * 40, "max_new_tokens": 1}
+            headers = {}
+            if i % 2:
+                body["deadline_ms"] = SLO_MS
+            else:
+                headers["x-flexlb-slo-ms"] = str(SLO_MS)
+            t = time.perf_counter()
+            res = await c.post(gw.url + "/v1/generate", json=body, headers=headers)
+            return (
+                res.status_code,
+                (time.perf_counter() - t) * 1000,
+                res.json(),
+                res.headers.get("retry-after", ""),
+            )
+
+        async def burst() -> list[tuple[int, float, dict, str]]:
+            async with httpx.AsyncClient(timeout=30) as c:
+                await one(c, -2)  # warm the path (connection, tokenizer) so the burst is even
+                await asyncio.sleep(0.4)
+                return await asyncio.gather(*(one(c, i) for i in range(n)))
+
+        rs = asyncio.run(burst())
+        ok = [r for r in rs if r[0] == 200]
+        refused = [r for r in rs if r[0] == 429]
+        assert len(ok) + len(refused) == n, [(r[0], r[2]) for r in rs if r[0] not in (200, 429)]
+        # 3000 ms less 15 % headroom / 600 ms predicted each: ~4 fit; the rest are refused, typed,
+        # with Retry-After
+        assert 3 <= len(ok) <= 6, [(r[0], round(r[1])) for r in rs]
+        assert all(r[2]["error"]["code"] == "slo_unattainable" and int(r[3]) >= 1 for r in refused)
+        # admitted: within the deadline (loose wall-clock margin for a loaded box is NOT added)
+        assert max(r[1] for r in ok) <= SLO_MS, sorted(round(r[1]) for r in ok)
+        # refused at once: every refusal is back before the first admitted request's prefill
+        # (500 ms) ends, whatever the load on the box
+        assert max(r[1] for r in refused) < min(r[1] for r in ok), (
+            sorted(round(r[1]) for r in refused),
+            sorted(round(r[1]) for r in ok),
+        )
+        metrics = gw.get("/metrics").text
+        line = next(
+            x
+            for x in metrics.splitlines()
+            if x.startswith('flexlb_admission_rejections_total{reason="slo_unattainable"}')
+        )
+        assert float(line.rsplit(" ", 1)[1]) == len(refused)
+
+        # An admitted request whose client-set deadline passes while it waits in the owner's
+        # batcher (the worker is full: one batch at a time, and it runs far longer than predicted)
+        # is ended then, typed (504 deadline_exceeded), not run after the blocker.
+        cfg = {"max_inflight_batches": 1}
+        assert httpx.put(gw.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(lambda: "runtime config v2 applied" in gw.log(), 5, what="config applied")
+
+        async def late() -> tuple[tuple[int, float, dict, str], tuple[int, float, dict, str]]:
+            c0 = WorkerClient(p.address)
+            await c0.configure(formula="2500")
+            await c0.close()
+            async with httpx.AsyncClient(timeout=30) as c:
+                blocker = asyncio.create_task(one(c, 100))
+                await asyncio.sleep(0.2)
+                t = time.perf_counter()
+                res = await c.post(
+                    gw.url + "/v1/generate",
+                    json={"prompt": "late " + "v" * 40, "max_new_tokens": 1, "deadline_ms": 1500},
+                )
+                ended = (res.status_code, (time.perf_counter() - t) * 1000, res.json(), "")
+                return await blocker, ended
+
+        blocker, ended = asyncio.run(late())
+        assert blocker[0] == 200, blocker
+        assert ended[0] == 504 and ended[2]["error"]["code"] == "deadline_exceeded", ended
+        assert ended[1] < 2300, ended  # at its deadline (~1.5 s), not after the 2.5 s blocker
+        line = next(
+            x
+            for x in gw.get("/metrics").text.splitlines()
+            if x.startswith('flexlb_admission_rejections_total{reason="deadline_passed_in_queue"}')
+        )
+        assert float(line.rsplit(" ", 1)[1]) == 1
+    finally:
+        gw.stop()
+        asyncio.run(conf(reset=True))
