@@ -70,7 +70,7 @@ class LiveReplica(SimReplica):
     def _sync(self) -> Pipeline:
         """The live replica's routing inputs := this simulated replica's, now."""
         sim, r, pipe = self.sim, self.live, self.live.pipeline
-        r.workers = _registry(sim)
+        r.views.workers = _registry(sim)
         snaps: dict[str, dict[str, str]] = {}
         for w, s in zip(sim.pids, self.psnap, strict=True):
             snaps[w] = {
@@ -92,15 +92,15 @@ class LiveReplica(SimReplica):
                 "reserved_tokens": str(s[2]),
                 "running": str(s[3]),
             }
-        r.snapshots = snaps
-        r.snapshot_time = dict.fromkeys(snaps, self.snap_time / 1000)
-        r.queued_overlay = {sim.pids[w]: (q, t / 1000) for w, (q, t) in self.overlay.items()}
+        r.views.snapshots = snaps
+        r.views.snapshot_time = dict.fromkeys(snaps, self.snap_time / 1000)
+        r.views.queued_overlay = {sim.pids[w]: (q, t / 1000) for w, (q, t) in self.overlay.items()}
         pipe.owed_overlay = {sim.pids[w]: (o, t / 1000) for w, (o, t) in self.fresh_owed.items()}
         pipe.finished = {
             sim.pids[w]: [(a, b, c, t / 1000) for a, b, c, t in done] for w, done in self.finished.items()
         }
         sim.mirror.spec = self.spec  # the simulator passes each replica's index; a live mirror owns one
-        r.mirror = sim.mirror
+        pipe.mirror = sim.mirror
         pipe.rng.setstate(self.rng.getstate())
         return pipe
 
@@ -245,7 +245,7 @@ async def test_live_and_simulated_decisions_are_identical(
     tally = Tally()
     lives = [_live(policy, decode) for _ in range(cfg.replicas)]
     owners_of = lives[0]
-    owners_of.workers = _registry(sim)
+    owners_of.views.workers = _registry(sim)
     try:
         for live in lives:
             assert live.formula.source == sim.formula.source  # the same predictor, from the same settings
@@ -303,17 +303,17 @@ async def test_live_prefill_hits_from_match_fast_equal_the_full_walk() -> None:
         live = _live(policy, "kv_headroom")
         pipe = live.pipeline
         reference = live.policies.build(PREFILL, policy, live.formula)
-        live.workers = {w: {"role": "prefill", "state": "active"} for w in workers}
+        live.views.workers = {w: {"role": "prefill", "state": "active"} for w in workers}
         for case in range(60):
             now = 10_000.0 + case * 700.0
-            live.mirror = _NoWalk(2000.0)
+            pipe.mirror = _NoWalk(2000.0)
             for w in workers:
                 keys = {k for c in rng.sample(chains, 2) for k in c[: rng.randrange(11)]}
-                live.mirror.load_snapshot(w, "e", 1, keys)
+                pipe.mirror.load_snapshot(w, "e", 1, keys)
             for _ in range(rng.randrange(4)):
                 chain = rng.choice(chains)[: rng.randrange(1, 11)]
-                live.mirror.add_speculative(rng.choice(workers), chain, now - 500)
-            live.snapshots = {
+                pipe.mirror.add_speculative(rng.choice(workers), chain, now - 500)
+            live.views.snapshots = {
                 w: {
                     "health": "up",
                     "kv_total_tokens": "100000",
@@ -327,7 +327,7 @@ async def test_live_prefill_hits_from_match_fast_equal_the_full_walk() -> None:
             views = pipe.views("prefill", now / 1000)
             keys = rng.choice(chains)[: rng.randrange(0, 11)]
             n_in = 64 * len(keys) + rng.randrange(64)
-            full = CacheMirror.match(live.mirror, keys, workers, now)
+            full = CacheMirror.match(pipe.mirror, keys, workers, now)
             state = pipe.rng.getstate()
             want = reference.choose(PrefillQuery(n_in, full, 64), views, pipe.rng)
             pipe.rng.setstate(state)
