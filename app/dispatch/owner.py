@@ -24,6 +24,7 @@ from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
 from app.dispatch.claim import OwnerClaims
 from app.dispatch.items import QueueItem, parse_item
+from app.dispatch.ledger import OwnerLedger
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
@@ -39,7 +40,7 @@ from app.state.store import FencedOut, StateStore
 log = logging.getLogger("flexlb.owner")
 
 
-class OwnerDispatcher(OwnerClaims):
+class OwnerDispatcher(OwnerClaims, OwnerLedger):
     def __init__(
         self,
         wid: str,
@@ -143,47 +144,6 @@ class OwnerDispatcher(OwnerClaims):
             self.wake.set()
             await asyncio.sleep(0.02)
         return False
-
-    async def audit_ledger(
-        self, st: dict[str, Any], grace_ms: float = 2000.0, ttl_ms: float = 300_000.0
-    ) -> dict[str, int]:
-        """Backstop for settle-on-reply (DESIGN §7, lesson 3), run on the owner's status polls.
-
-        A ledger batch that this owner is not dispatching, that the worker no longer holds (not
-        queued, not running) and that was committed more than `grace_ms` ago will never be answered
-        by a reply: it is settled here, counted by how we know — `record` (the worker reported it
-        finished), `missed` (history rolled over, or the reply path died). A batch older than
-        `ttl_ms` whatever its state is settled as `ttl`; that counter staying 0 is the proof the
-        other paths are complete."""
-        now = time.time() * 1000
-        for r in st.get("finished", []):
-            self._finished_seen[str(r.get("batch_id", ""))] = now
-        if len(self._finished_seen) > 20_000:
-            for k in list(self._finished_seen)[:10_000]:
-                del self._finished_seen[k]
-        if now - self._last_audit < 1000 or not self.lease.is_valid():
-            return {}
-        self._last_audit = now
-        ledger = await self.store.read_ledger(self.wid)
-        on_worker = {str(b.get("batch_id")) for b in st.get("live", [])}
-        epoch = str(st.get("epoch", ""))
-        counts: dict[str, int] = {}
-        for bid, entry in ledger.items():
-            age = now - float(entry.get("start_ms", now))
-            if age > ttl_ms:
-                path = "ttl"
-            elif bid in self._batch_sizes or bid in on_worker or age < grace_ms:
-                continue
-            elif entry.get("epoch") and str(entry["epoch"]) != epoch:
-                continue  # an older epoch's batch: settled by the epoch change (settle_epoch)
-            else:
-                path = "record" if bid in self._finished_seen else "missed"
-            n = await self.store.settle_batch(self.wid, bid)
-            if n:
-                counts[path] = counts.get(path, 0) + n
-                M.LEDGER_LATE_SETTLED.labels(path).inc(n)
-                log.warning("owner %s: settled %d members of batch %s late (%s)", self.wid, n, bid, path)
-        return counts
 
     async def stop(self) -> None:
         self._stopping = True
@@ -292,31 +252,6 @@ class OwnerDispatcher(OwnerClaims):
             )
         except TRANSIENT as exc:
             log.debug("owner %s: marking %d requests dispatched failed: %s", self.wid, len(request_ids), exc)
-
-    async def _take_refused(self, items: list[QueueItem]) -> None:
-        """Items the batcher refused leave the queue without a batch: their predicted ms come
-        off the worker's queued_ms, or the worker looks busier forever (issue 14). Done by the
-        fenced commit script with no members under a fresh id — it takes `take_ms` once, only for
-        the lease holder, and writes no ledger entry. A failure here is repaired by the
-        reconciler, which recomputes queued_ms from the queue."""
-        take = sum(i.predicted_ms for i in items)
-        if take <= 0:
-            return
-        try:
-            await self.store.commit_batch(
-                self.wid,
-                f"r-{uuid.uuid4().hex[:16]}",
-                [],
-                0.0,
-                time.time() * 1000,
-                self.lease.fence,
-                self.replica_id,
-                take_ms=take,
-            )
-        except FencedOut:
-            return
-        except TRANSIENT as exc:
-            log.warning("owner %s: taking %.1f refused ms off queued_ms failed: %s", self.wid, take, exc)
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
