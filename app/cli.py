@@ -102,6 +102,17 @@ def worker(
     fault_extra_latency_ms: Annotated[float, typer.Option(help="fault: extra modelled ms per batch")] = 0.0,
     fault_hang: Annotated[bool, typer.Option(help="fault: stop making progress and answering")] = False,
     fault_exit_after_batches: Annotated[int, typer.Option(help="fault: crash after N batches")] = 0,
+    secret: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FLEXLB_WORKER_SECRET",
+            help="shared secret the control model and the KV side channel require (the gateways' too)",
+        ),
+    ] = None,
+    allow_faults: Annotated[
+        bool,
+        typer.Option(envvar="FLEXLB_WORKER_ALLOW_FAULTS", help="allow fault injection (tests, chaos runs)"),
+    ] = False,
     log_level: str = "INFO",
 ) -> None:
     """Start one simulated GPU worker inside a real Triton server."""
@@ -114,6 +125,9 @@ def worker(
         raise typer.BadParameter("--device cpu|cuda, --dtype float32|bfloat16", param_hint="--device/--dtype")
     if role not in ("prefill", "decode"):
         raise typer.BadParameter("prefill or decode", param_hint="--role")
+    faulty = fault_error_rate or fault_extra_latency_ms or fault_hang or fault_exit_after_batches
+    if faulty and not allow_faults:
+        raise typer.BadParameter("fault options need --allow-faults", param_hint="--fault-*")
     from workers.engine.faults import Faults
     from workers.server.main import run_worker
     from workers.server.service import WorkerConfig
@@ -136,6 +150,8 @@ def worker(
         device=device,
         dtype=dtype,
         threads=threads,
+        secret=secret or "",
+        allow_faults=allow_faults,
         faults=Faults.from_dict(
             {
                 "error_rate": fault_error_rate,
@@ -347,6 +363,15 @@ def policies(as_json: bool = typer.Option(False, "--json", help="the full regist
             )
     for kind, specs in reg["plugins"].items():
         typer.echo(f"{kind}s: {', '.join(specs)}")
+
+
+def _add_subcommands() -> None:
+    from app.security.cli import keys_app
+
+    app.add_typer(keys_app, name="keys")
+
+
+_add_subcommands()
 
 
 def main() -> None:

@@ -19,7 +19,21 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="address the gateway listens on")
     port: int = Field(8000, description="gateway HTTP port")
     advertise_address: str | None = Field(None, description="host:port other replicas reach us at")
-    admin_token: str | None = Field(None, description="bearer token for /admin; unset → generated and logged")
+    admin_token: str | None = Field(
+        None,
+        description="bearer token for /admin, the same on every replica; unset → the cluster's hashed one "
+        "in Redis (the first replica generates and logs it)",
+    )
+    auth: str = Field("none", description="client API authentication: none, or keys (API keys per tenant)")
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, description="largest request body (413 beyond), 0 = no limit"
+    )
+    max_concurrent_requests: int = Field(
+        2048, description="generation requests in flight per replica (fast 429 beyond), 0 = no cap"
+    )
+    worker_secret: str | None = Field(
+        None, description="the workers' shared secret (their --secret): sent with every control call"
+    )
     heartbeat_ms: int = Field(1000, description="membership heartbeat interval")
     member_ttl_ms: int = Field(3000, description="membership TTL: a replica silent this long is dead")
     lease_ttl_ms: int = Field(3000, description="master and owner lease TTL")

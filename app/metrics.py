@@ -274,6 +274,14 @@ REJECTIONS = Counter(
     registry=REGISTRY,
 )  # label values pre-registered from the error model in app/gateway/errors.py
 _BATCH_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+RATE_LIMITED = Counter(
+    "flexlb_rate_limited_total",
+    "Requests refused by a tenant's cluster-wide limit, by the limit that refused them",
+    ["limit"],
+    registry=REGISTRY,
+)
+for _limit in ("requests", "tokens", "tokens_above_limit", "concurrent"):  # bounded, pre-registered
+    RATE_LIMITED.labels(_limit)
 BATCH_PREDICTED = Histogram(
     "flexlb_batch_predicted_seconds",
     "The owner's predicted prefill time of each dispatched batch (modelled seconds)",

@@ -77,7 +77,10 @@ class Gateway:
         return httpx.put(self.url + path, json=body, headers=headers, timeout=timeout)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        r = self.get(f"/admin/stats?reset={'true' if reset else 'false'}", admin=True, timeout=10.0)
+        if reset:  # state changes are POSTs
+            r = self.post("/admin/stats/reset", {}, timeout=10.0)
+        else:
+            r = self.get("/admin/stats", admin=True, timeout=10.0)
         r.raise_for_status()
         return r.json()  # type: ignore[no-any-return]
 

@@ -8,7 +8,8 @@ scheduling, Redis, the owner's hand-off, gRPC and Triton. Three questions, each 
    origin overhead (arrival -> hand-off appended; p50 <= 1 ms, p99 <= 5 ms), the hand-off latency
    (appended -> owner writes the gRPC prefill; p50 <= 2 ms), Redis commands per request (<= 12;
    raw, and net of the background loops' idle rate measured over a quiet window first), gateway
-   CPU per request and errors by code. The samples are the gateways' own (`GET /admin/stats`).
+   CPU per request and errors by code. The samples are the gateways' own (`GET /admin/stats`,
+   cleared by `POST /admin/stats/reset`).
 2. End-to-end latency added by the gateway: sequential requests through it vs the same prompts
    sent straight to the workers (`WorkerClient.prefill`, then `.decode` fetching that KV).
 3. Closed-loop throughput at 1, 32 and 128 concurrent clients.

@@ -155,6 +155,8 @@ async def clients(worker_pool: dict[str, list[WorkerProc]]) -> AsyncIterator[dic
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # Every worker the tests start (the pool, their own, `flexlb up`'s) may be given faults.
+    os.environ.setdefault("FLEXLB_WORKER_ALLOW_FAULTS", "1")
 
 
 # ---- skip guard: CI fails when more tests skip than .ci/allowed-skips says ------------------------

@@ -74,7 +74,10 @@ schemathesis.openapi.format(
 
 @schemathesis.hook
 def map_body(ctx: Any, body: Any) -> Any:
-    for key in ("timeout_ms", "deadline_ms"):  # deadline_ms: a TTFT deadline, 504 when it passes queued
-        if isinstance(body, dict) and isinstance(body.get(key), int) and body[key] > 0:
-            body[key] = max(body[key], MIN_TIMEOUT_MS)
+    # deadline_ms: a TTFT deadline, 504 when it passes queued. An int or an integral float (JSON
+    # Schema counts 52.0 as an integer, and so does the API).
+    for key in ("timeout_ms", "deadline_ms"):
+        t = body.get(key) if isinstance(body, dict) else None
+        if isinstance(t, int | float) and not isinstance(t, bool) and t > 0:
+            body[key] = max(t, MIN_TIMEOUT_MS)
     return body

@@ -32,7 +32,8 @@ MAX_EXAMPLES = 15
 #: The admin operations that change the cluster (second pass).
 MUTATING = (
     r"^(PUT /admin/config|POST /admin/workers|DELETE /admin/workers/\{worker_id\}"
-    r"|POST /admin/workers/\{worker_id\}/drain)$"
+    r"|POST /admin/workers/\{worker_id\}/drain|PUT /admin/tenants/\{tenant\}/limits"
+    r"|POST /admin/keys|DELETE /admin/keys/\{key_id\}|POST /admin/stats/reset)$"
 )
 ROOT = Path(__file__).resolve().parent.parent
 

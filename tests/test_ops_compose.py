@@ -236,4 +236,60 @@ def test_grafana_provisioning_paths_and_datasource(services: dict[str, dict[str,
     url = ds[0]["url"]
     host, port = url.split("//")[1].split(":")
     assert host == "prometheus"
-    assert any(str(p).endswith(f":{port}") for p in services["prometheus"]["ports"])
+    assert port in [str(p) for p in services["prometheus"]["expose"]]
+
+
+# ---- the security posture (issue 16): what is reachable from outside, and how ----------------
+def _caddy_blocks(text: str) -> list[tuple[str, str]]:
+    """The site's top-level directives in order, as (head line, body): enough to check routing."""
+    site = text[text.index(":8000 {") :]
+    out, depth, head, body = [], 0, "", []
+    for line in site.splitlines()[1:]:
+        st = line.strip()
+        if depth == 0 and st == "}":
+            break
+        if depth == 0 and st and not st.startswith("#"):
+            head, body = st, []
+        elif depth > 0:
+            body.append(st)
+        depth += st.count("{") - st.count("}")
+        if depth == 0 and head:
+            out.append((head, "\n".join(body)))
+            head = ""
+    return out
+
+
+def test_proxy_refuses_admin_and_metrics_and_large_bodies() -> None:
+    text = (ROOT / "deploy/Caddyfile").read_text()
+    blocks = _caddy_blocks(text)
+    matcher = next(h for h, _ in blocks if h.startswith("@control path "))
+    paths = matcher.split()[2:]
+    for p in ("/admin", "/admin/*", "/metrics"):
+        assert p in paths, f"{p} is routed to the replicas"
+    heads = [h for h, _ in blocks]
+    control = heads.index("handle @control {")
+    catch_all = heads.index("handle {")
+    assert control < catch_all, "the 404 for /admin must come before the catch-all"
+    assert 'respond "not found" 404' in blocks[control][1]
+    assert "reverse_proxy" not in blocks[control][1]
+    body = blocks[catch_all][1]
+    m = re.search(r"max_size (\d+)MiB", body)
+    assert m is not None and "request_body" in body, "the proxy must limit request bodies"
+    assert int(m.group(1)) * 1024 * 1024 == Settings().max_body_bytes
+
+
+def test_only_the_proxy_and_grafana_are_published(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    published = {n for n, s in services.items() if s.get("ports")}
+    assert published == {"proxy", "grafana"}
+    nets = compose["networks"]
+    assert nets["backend"]["internal"] is True
+    for name in [*_by_cmd(services, "worker"), *_by_cmd(services, "gateway"), "redis", "prometheus"]:
+        assert services[name]["networks"] == ["backend"], f"{name} must be on the internal network only"
+    graf = _env(services["grafana"])
+    assert graf["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GRAFANA_ADMIN_PASSWORD:?" in str(services["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"])
+    for name, svc in _by_cmd(services, "gateway").items():
+        assert _env(svc)["FLEXLB_AUTH"] == "keys", name
+    for name in [*_by_cmd(services, "worker"), *_by_cmd(services, "gateway")]:
+        assert "FLEXLB_WORKER_SECRET:?" in str(services[name]["environment"]["FLEXLB_WORKER_SECRET"]), name

@@ -121,7 +121,10 @@ def _check(cmd: str) -> list[str]:
     for word in args:
         value = word.split("=", 1)[1] if word.startswith("--") and "=" in word else word
         named = previous not in WRITES and _PATH.match(value) and ":" not in value
-        if named and not value.startswith(RUNTIME) and not (ROOT / value).exists():
+        # A path that leaves the clone (../shared/...) may exist on a developer's machine, never in
+        # a user's fresh clone: it counts as missing whatever this machine holds.
+        outside = named and not (ROOT / value).resolve().is_relative_to(ROOT.resolve())
+        if named and not value.startswith(RUNTIME) and (outside or not (ROOT / value).exists()):
             problems.append(f"names {value}, which is not in the repository")
         previous = word
     return problems

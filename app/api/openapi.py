@@ -27,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from app.api.schemas import SEED_MAX
 from app.gateway.errors import KINDS
 from app.scheduling.policy import DECODE, PREFILL, PolicyBook
+from app.security.limits import PRIORITIES
 from app.state.store import PROGRESS, TERMINAL
 
 REF = "#/components/schemas/"
@@ -196,12 +197,16 @@ SCHEMAS: dict[str, Any] = {
 #: What each status means here, and the error codes behind it (README's error table says more).
 STATUS_TEXT = {
     400: "invalid request: the message names the field and the rule (code invalid_request)",
-    401: "missing or wrong admin token (unauthorized)",
+    401: "missing or wrong admin token, or (FLEXLB_AUTH=keys) API key (unauthorized)",
+    403: "the API key's tenant is disabled (forbidden)",
     404: "unknown model, request, worker or path (model_not_found, not_found)",
     409: "a request with this id is still running (duplicate_request)",
+    413: "the body exceeds FLEXLB_MAX_BODY_BYTES (request_too_large)",
     415: "the body is not application/json (unsupported_media_type)",
-    429: "overloaded: a prefill queue is full or no decode KV is left; slo_unattainable: the predicted "
-    "time to first token misses the request's deadline; retry after Retry-After",
+    429: "rate_limited: the tenant is over a cluster-wide limit (x-ratelimit-* headers); overloaded: "
+    "a prefill queue is full, no decode KV is left, or this replica is at its concurrency cap; "
+    "slo_unattainable: the predicted time to first token misses the request's deadline; retry after "
+    "Retry-After",
     499: "cancelled by DELETE /v1/requests/{id} or by the client going away (cancelled)",
     500: "internal error (internal)",
     502: "a worker failed the request (worker_error)",
@@ -214,16 +219,18 @@ RETRY_AFTER = {
         "schema": {"type": "string", "pattern": "^[0-9]+$"},
     }
 }
-GENERATION = [400, 404, 409, 415, 429, 499, 500, 502, 503, 504]
-ADMIN_BODY = [400, 401, 415, 500]
+GENERATION = [400, 401, 403, 404, 409, 413, 415, 429, 499, 500, 502, 503, 504]
+ADMIN_BODY = [400, 401, 413, 415, 500]
+#: The client API's reads with FLEXLB_AUTH=keys: no key, a disabled tenant, keys unreadable.
+CLIENT_READ = [401, 403, 500, 503]
 #: Per operation: the error statuses it can return.
 ERRORS: dict[tuple[str, str], list[int]] = {
     ("post", "/v1/completions"): GENERATION,
     ("post", "/v1/chat/completions"): GENERATION,
     ("post", "/v1/generate"): GENERATION,
-    ("get", "/v1/requests/{request_id}"): [400, 404, 500],
-    ("delete", "/v1/requests/{request_id}"): [400, 404, 500],
-    ("get", "/v1/models"): [500],
+    ("get", "/v1/requests/{request_id}"): [400, 404, *CLIENT_READ],
+    ("delete", "/v1/requests/{request_id}"): [400, 404, *CLIENT_READ],
+    ("get", "/v1/models"): CLIENT_READ,
     ("get", "/healthz"): [500],
     ("get", "/readyz"): [500],
     ("get", "/metrics"): [500],
@@ -238,6 +245,11 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("get", "/admin/config"): [401, 500],
     ("get", "/admin/policies"): [401, 500],
     ("put", "/admin/config"): ADMIN_BODY,
+    ("post", "/admin/stats/reset"): [401, 500],
+    ("get", "/admin/keys"): [401, 500],
+    ("post", "/admin/keys"): ADMIN_BODY,
+    ("delete", "/admin/keys/{key_id}"): [401, 404, 500],
+    ("put", "/admin/tenants/{tenant}/limits"): ADMIN_BODY,
 }
 #: Success bodies: (JSON schema, streaming chunk schema or None).
 SUCCESS: dict[tuple[str, str], tuple[str, str | None]] = {
@@ -263,6 +275,14 @@ HEADERS = [
         "required": False,
         "description": "W3C trace context; its trace id is logged with the request (ignored if malformed)",
         "schema": {"type": "string"},
+    },
+    {
+        "name": "x-flexlb-priority",
+        "in": "header",
+        "required": False,
+        "description": "priority class (default `default`), lowered to the tenant's max_priority "
+        "(without tenants: interactive); under overload a replica refuses the lower classes first",
+        "schema": {"type": "string", "enum": list(PRIORITIES)},
     },
 ]
 SSE_TEXT = (

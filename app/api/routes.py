@@ -7,27 +7,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
+from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, trace_id_from, valid_request_id
+from app.security.tenants import path_id, public_id, scoped_id, tenant_of
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
 
 router = APIRouter()
 T = TypeVar("T")
-#: What a request id may look like, from the body or `X-Request-Id`: it becomes part of Redis keys
-#: (`{q:<id>}` is a hash tag, so braces must never get in) and of log lines.
-REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def _replica(request: Request) -> Any:
@@ -39,14 +38,11 @@ def _ids(request: Request, body_id: str | None = None) -> tuple[str, str, bool]:
     X-Request-Id, else a UUID; the trace from traceparent."""
     header = request.headers.get("x-request-id")
     for where, value in (("X-Request-Id", header), ("request_id", body_id)):
-        if value is not None and not REQUEST_ID.match(value):
-            raise ApiError("invalid_request", f"{where}: must be 1-128 characters of A-Z a-z 0-9 . _ : -")
+        if value is not None and not valid_request_id(value):
+            raise ApiError("invalid_request", f"{where}: {REQUEST_ID_RULE.removeprefix('request id ')}")
     client = body_id if body_id is not None else header
     rid = uuid.uuid4().hex if client is None else client
-    tp = request.headers.get("traceparent", "")
-    parts = tp.split("-")
-    trace = parts[1] if len(parts) == 4 and len(parts[1]) == 32 else uuid.uuid4().hex
-    return rid, trace, not client
+    return rid, trace_id_from(request.headers.get("traceparent")), not client
 
 
 def _check_model(r: Any, model: str | None) -> str:
@@ -257,15 +253,18 @@ async def _prepare(
     """`fields`: the client's names of the token limit and the prompt, for error messages."""
     _check_limits(r, len(ids), max_new, *fields)
     rid, trace, fresh = _ids(request, body_rid)
+    rid = scoped_id(tenant_of(request), rid)  # ids live in their tenant's namespace
     deadline = _deadline(request, deadline_ms)
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
+    timeout = _timeout(r, timeout_ms)
+    await request.app.state.tenants.admit(request, rid, len(ids) + max_new, timeout)
     stop = TokenStop(r.tokenizer, stops) if stops else None
     return GenRequest(
         rid,
         ids,
         max_new,
-        _timeout(r, timeout_ms),
+        timeout,
         trace,
         endpoint,
         fresh_id=fresh,
@@ -310,7 +309,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         request, r, ids, max_new, None, None, "completions", ("max_tokens", "prompt"), stops, body.user
     )
     req.sampling = sampling_of(body)
-    cid = f"cmpl-{req.request_id}"
+    cid = f"cmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
         o = await _guarded(request, _collect(r, req))
@@ -441,7 +440,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         body.user,
     )
     req.sampling = sampling_of(body)
-    cid = f"chatcmpl-{req.request_id}"
+    cid = f"chatcmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
         o = await _guarded(request, _collect(r, req))
@@ -476,7 +475,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
 # ---- native ------------------------------------------------------------------------------------
 def _native(r: Any, o: dict[str, Any]) -> dict[str, Any]:
     return {
-        "request_id": o["request_id"],
+        "request_id": public_id(o["request_id"]),
         "model": r.settings.model,
         "text": _text(r, o["output_ids"]),
         "output_ids": o["output_ids"],
@@ -522,10 +521,20 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         async for kind, payload in _relay(r, req):
             if kind == "first":
                 yield _sse(
-                    {"request_id": req.request_id, "token_ids": [payload], "text": detok.feed([payload])}
+                    {
+                        "request_id": public_id(req.request_id),
+                        "token_ids": [payload],
+                        "text": detok.feed([payload]),
+                    }
                 )
             elif kind == "tokens":
-                yield _sse({"request_id": req.request_id, "token_ids": payload, "text": detok.feed(payload)})
+                yield _sse(
+                    {
+                        "request_id": public_id(req.request_id),
+                        "token_ids": payload,
+                        "text": detok.feed(payload),
+                    }
+                )
             elif kind in ("end", "stored"):
                 o = payload if kind == "end" else _stored_or_error(payload)
                 if isinstance(o, ApiError):
@@ -541,13 +550,21 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
 
 
 # ---- request status and cancel -----------------------------------------------------------------
+#: A request id in a path: published in the OpenAPI document and checked (braces would change
+#: the Redis hash tag of the key it names).
+RequestIdPath = Annotated[str, PathParam(pattern=REQUEST_ID.pattern)]
+
+
 @router.get("/v1/requests/{request_id}")
-async def get_request(request_id: str, request: Request) -> dict[str, Any]:
+async def get_request(request_id: RequestIdPath, request: Request) -> dict[str, Any]:
     r = _replica(request)
-    rec = await r.store.get_request(request_id)
+    rec = await r.store.get_request(path_id(request, request_id))  # another tenant's id: not found
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
-    return {"request_id": request_id, **typed_record(rec)}
+    outcome = rec.get("outcome")
+    if isinstance(outcome, dict) and "request_id" in outcome:
+        rec["outcome"] = {**outcome, "request_id": public_id(outcome["request_id"])}
+    return {**typed_record(rec), "request_id": request_id}
 
 
 #: Record fields that hold numbers (Redis stores strings): by name, or by suffix.
@@ -572,7 +589,7 @@ def typed_record(rec: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.delete("/v1/requests/{request_id}")
-async def cancel_request(request_id: str, request: Request) -> JSONResponse:
+async def cancel_request(request_id: RequestIdPath, request: Request) -> JSONResponse:
     """Cancel from any replica: the origin runs the clean-up (it holds the request's task).
 
     Durable (issue 14): the queued prefill is tombstoned at once (its owner's commit drops it), and
@@ -580,12 +597,13 @@ async def cancel_request(request_id: str, request: Request) -> JSONResponse:
     notify message is only the fast path. The answer says what was found: `running` (202),
     `finished` (200, nothing to cancel), or an unknown id (404)."""
     r = _replica(request)
+    client_id, request_id = request_id, path_id(request, request_id)
     rec = await r.store.get_request(request_id)
     if rec is None:
-        raise ApiError("not_found", f"unknown request {request_id!r}")
+        raise ApiError("not_found", f"unknown request {client_id!r}")
     if rec.get("state") in TERMINAL:
         return JSONResponse(
-            {"request_id": request_id, "state": rec["state"], "cancelled": False, "found": "finished"}
+            {"request_id": client_id, "state": rec["state"], "cancelled": False, "found": "finished"}
         )
     origin = rec.get("origin", "")
     if rec.get("prefill_worker"):
@@ -598,6 +616,6 @@ async def cancel_request(request_id: str, request: Request) -> JSONResponse:
             p.publish(r.keys.notify(origin), f"cancel:{request_id}")
             await p.execute()
     return JSONResponse(
-        {"request_id": request_id, "state": rec.get("state"), "cancelled": True, "found": "running"},
+        {"request_id": client_id, "state": rec.get("state"), "cancelled": True, "found": "running"},
         status_code=202,
     )

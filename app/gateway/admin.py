@@ -3,14 +3,16 @@ so they persist and apply on every replica (upstream lesson 10)."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import re
 import time
+from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from fastapi import Path as PathParam
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.api.schemas import INTEGRAL, TokenIds
@@ -21,6 +23,7 @@ from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
 from app.scheduling.policy import DECODE, PREFILL, runtime_book
+from app.security.apikeys import TENANT, KeyStore, check_tenant
 from app.state.text import to_str as _s
 
 
@@ -28,11 +31,17 @@ def _replica(request: Request) -> Replica:
     return request.app.state.replica  # type: ignore[no-any-return]
 
 
-def require_admin(request: Request) -> None:
-    token = request.app.state.admin_token
+async def require_admin(request: Request) -> None:
+    """The cluster's one admin token (app/security/admin_token.py says how replicas agree on it)."""
+    auth = request.app.state.admin_auth
+    if auth.digest is None:  # Redis was unreachable at start: agree now
+        try:
+            await auth.resolve(_replica(request).redis)
+        except RedisError as exc:
+            raise ApiError("state_unavailable", "admin token not known yet", retry_after_s=1) from exc
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+    if scheme.lower() != "bearer" or not auth.check(given):
         raise ApiError("unauthorized", "admin endpoints need 'Authorization: Bearer <FLEXLB_ADMIN_TOKEN>'")
 
 
@@ -182,14 +191,23 @@ async def cache_match(body: CacheMatch, request: Request) -> dict[str, Any]:
 
 
 @router.get("/stats")
-async def stats(request: Request, reset: bool = False) -> dict[str, Any]:
-    """Raw latency samples and Redis command count, for benchmarks (exact percentiles)."""
+async def stats(request: Request) -> dict[str, Any]:
+    """Raw latency samples and Redis command count, for benchmarks (exact percentiles). Read-only:
+    clearing the samples is `POST /admin/stats/reset` (a GET never changes state)."""
+    if "reset" in request.query_params:
+        raise ApiError("invalid_request", "GET /admin/stats is read-only; reset with POST /admin/stats/reset")
     r = _replica(request)
     out = {name: list(ring.values) for name, ring in M.SAMPLES.items()}
-    if reset:
-        for ring in M.SAMPLES.values():
-            ring.values.clear()
     return {"replica": r.replica_id, "redis_commands_total": r.store.commands_total, "samples": out}
+
+
+@router.post("/stats/reset")
+async def stats_reset(request: Request) -> dict[str, Any]:
+    """The samples as `GET /admin/stats` gives them, then cleared: the next read starts afresh."""
+    out = await stats(request)
+    for ring in M.SAMPLES.values():
+        ring.values.clear()
+    return out
 
 
 @router.get("/policies")
@@ -273,3 +291,79 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
         p.hincrby(r.keys.config, "version", 1)
         await p.execute()
     return await get_config(request)
+
+
+# ---- API keys and tenant limits (app/security) ------------------------------------------------
+#: A tenant name in a path, or `*` (the default of tenants without an entry).
+TenantPath = Annotated[str, PathParam(pattern=rf"^(\*|{TENANT.pattern.strip('^$')})$")]
+#: Limits as the published schema has them: never null, never a boolean or a string.
+_Count = Annotated[StrictInt, Field(ge=0), INTEGRAL]
+
+
+class NewKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(..., pattern=TENANT.pattern, description="tenant the key belongs to")
+    rps: float = Field(None, ge=0, strict=True, description="tenant limit: requests per second (0 = none)")
+    tpm: _Count = Field(None, description="tenant limit: prompt + output tokens per minute (0 = none)")
+    max_concurrent: _Count = Field(None, description="tenant limit: requests in flight (0 = none)")
+    max_priority: Literal["bulk", "default", "interactive", "system"] = Field(
+        None, description="highest x-flexlb-priority class the tenant's requests get"
+    )
+
+
+class TenantLimitsPatch(BaseModel):
+    """Every field optional, none null, at least one given."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"minProperties": 1})
+    rps: float = Field(None, ge=0, strict=True)
+    tpm: _Count = Field(None)
+    max_concurrent: _Count = Field(None)
+    max_priority: Literal["bulk", "default", "interactive", "system"] = Field(None)
+    disabled: StrictBool = Field(None)
+
+
+def _key_store(request: Request) -> KeyStore:
+    return request.app.state.tenants.keys  # type: ignore[no-any-return]
+
+
+@router.post("/keys")
+async def add_key(body: NewKey, request: Request) -> dict[str, Any]:
+    """A new API key for a tenant; the key is in this answer only (Redis keeps its hash)."""
+    ks = _key_store(request)
+    limits = body.model_dump(exclude_none=True, exclude={"tenant"})
+    try:
+        check_tenant(body.tenant)
+        if limits:
+            await ks.merge_limits(body.tenant, limits)
+        key, rec = await ks.add(body.tenant)
+    except ValueError as exc:
+        raise ApiError("invalid_request", str(exc)) from exc
+    return {"key": key, "id": rec.id, "tenant": rec.tenant, "created_ms": rec.created_ms}
+
+
+@router.get("/keys")
+async def list_keys(request: Request) -> dict[str, Any]:
+    return {"keys": [asdict(r) for r in await _key_store(request).list()]}
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    """Every replica refuses the key within its lookup cache's lifetime (0.25 s)."""
+    gone = await _key_store(request).revoke(key_id=key_id)
+    if not gone:
+        raise ApiError("not_found", f"unknown key id {key_id!r}")
+    return {"revoked": [asdict(r) for r in gone]}
+
+
+@router.put("/tenants/{tenant}/limits")
+async def put_tenant_limits(tenant: TenantPath, body: TenantLimitsPatch, request: Request) -> dict[str, Any]:
+    """Change some of a tenant's limits (`*`: the default of tenants without an entry); applied
+    live on every replica through the runtime config."""
+    patch = body.model_dump(exclude_none=True)
+    if not patch:
+        raise ApiError("invalid_request", "nothing to change")
+    try:
+        table = await _key_store(request).merge_limits(tenant, patch)
+    except ValueError as exc:
+        raise ApiError("invalid_request", str(exc)) from exc
+    return {"tenant_limits": {name: asdict(lim) for name, lim in table.items()}}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_fastapi_instrumentator import Instrumentator
+from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.api.openapi import build_openapi
@@ -23,19 +23,34 @@ from app.gateway.admin import router as admin_router
 from app.gateway.errors import install_error_handlers
 from app.gateway.replica import Replica
 from app.scheduling.policy import DECODE, PREFILL
+from app.security.admin_token import AdminAuth
+from app.security.apikeys import KeyStore
+from app.security.limits import BodyLimit, ConcurrencyCap
+from app.security.ratelimit import Limiter
+from app.security.tenants import TenantGate, Tenants
 
 log = logging.getLogger("flexlb.gateway")
 
 
 def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec] | None = None) -> FastAPI:
     replica = Replica(settings, redis_url, seed_workers)
-    admin_token = settings.admin_token or secrets.token_urlsafe(18)
-    if not settings.admin_token:
-        log.warning("FLEXLB_ADMIN_TOKEN unset; generated admin token for this replica: %s", admin_token)
+    admin_auth = AdminAuth(settings.admin_token, replica.keys.prefix)
+    if settings.auth not in ("none", "keys"):
+        raise ValueError(f"FLEXLB_AUTH must be none or keys, not {settings.auth!r}")
+    tenants = Tenants(
+        settings.auth == "keys",
+        KeyStore(replica.redis, replica.keys.prefix),
+        Limiter(replica.store, replica.keys.prefix),
+        lambda: replica.tenant_limits,
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await replica.start()
+        try:
+            await admin_auth.resolve(replica.redis)
+        except RedisError as exc:  # retried at the first admin call (require_admin)
+            log.warning("admin token not agreed with the cluster yet: %s", exc)
         # Everything alive now (modules, the app, the replica) lives as long as the process: freeze
         # it out of the collector's reach. Unfrozen, each full collection walked ~85K start-up
         # objects, a ~45 ms stall of the event loop and every request on it.
@@ -49,7 +64,8 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
 
     app = FastAPI(title="FlexLB gateway", lifespan=lifespan)
     app.state.replica = replica
-    app.state.admin_token = admin_token
+    app.state.admin_auth = admin_auth
+    app.state.tenants = tenants
     install_error_handlers(app)
     schema: dict[str, Any] = {}
     built_for: list[Any] = [None]  # the policy book the cached document lists
@@ -74,6 +90,13 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     Instrumentator(registry=M.REGISTRY, excluded_handlers=["/metrics", "/healthz", "/readyz"]).instrument(
         app, metric_namespace="flexlb"
     )
+    # Input limits before any work (app/security/limits.py): outside routing, so a refused body is
+    # never read whole; the cap answers before the body is read at all.
+    # Outermost first: the body limit (413 from Content-Length at once), the tenant (401/403; it
+    # tells the cap how high a priority the caller may ask for), the cap (429 by class).
+    app.add_middleware(ConcurrencyCap, limit=settings.max_concurrent_requests)
+    app.add_middleware(TenantGate, tenants=tenants)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(_BoundedMethod)  # outermost: the HTTP metrics see the bounded method
 
     @app.get("/healthz")

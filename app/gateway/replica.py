@@ -46,6 +46,7 @@ from app.scheduling.admission import AdmissionConfig
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.policy import Policy, PolicyBook
+from app.security.apikeys import Limits
 from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
@@ -93,7 +94,9 @@ class Replica:
         self.mirror = CacheMirror(
             settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
         )
-        self.views = WorkerViews(self.redis, self.keys, self.registry, self.mirror)
+        self.views = WorkerViews(
+            self.redis, self.keys, self.registry, self.mirror, worker_secret=settings.worker_secret or ""
+        )
         self.runtime = RuntimeConfig(settings, self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.tokenizer)
         self.membership = Membership(
@@ -246,6 +249,10 @@ class Replica:
     @property
     def admission(self) -> AdmissionConfig:
         return self.runtime.admission
+
+    @property
+    def tenant_limits(self) -> dict[str, Limits]:
+        return self.runtime.tenant_limits
 
     @property
     def config_version(self) -> int:

@@ -14,6 +14,7 @@ from app.config import Settings
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook, batching_config, runtime_book
+from app.security.apikeys import Limits, parse_tenant_limits
 from app.state.keys import Keys
 from app.state.text import to_str as _s
 
@@ -46,8 +47,8 @@ def batcher_config_from(cfg: dict[str, str]) -> BatcherConfig:
 
 class RuntimeConfig:
     """What the request path and the owners read per decision: `formula`, `policies`,
-    `prefill_strategy`, `decode_strategy`, `batcher_config`, `admission`; `version` is the config hash's
-    version last applied (-1: never read)."""
+    `prefill_strategy`, `decode_strategy`, `batcher_config`, `admission`, `tenant_limits`;
+    `version` is the config hash's version last applied (-1: never read)."""
 
     def __init__(self, settings: Settings, redis: aioredis.Redis, keys: Keys) -> None:
         self.settings = settings
@@ -64,6 +65,7 @@ class RuntimeConfig:
         self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
         self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
         self.batcher_config = self._batching(BatcherConfig(), {})
+        self.tenant_limits: dict[str, Limits] = {}  # runtime config `tenant_limits` (app/security)
 
     def _make_prefill(self, name: str) -> Policy:
         """Every prefill policy gets the formula, so its choice carries the predicted ms that the
@@ -99,6 +101,10 @@ class RuntimeConfig:
             DECODE, cfg.get("decode_strategy", self.settings.decode_strategy)
         )
         self.batcher_config = self._batching(batcher_config_from(cfg), cfg)
+        try:
+            self.tenant_limits = parse_tenant_limits(cfg.get("tenant_limits"))
+        except ValueError as exc:  # validated on write; keep the limits we have
+            log.error("runtime config tenant_limits ignored: %s", exc)
         if version:
             log.info("runtime config v%d applied: %s", version, cfg)
         return True

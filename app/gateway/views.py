@@ -22,7 +22,15 @@ __all__ = ["WorkerViews"]
 
 
 class WorkerViews:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, registry: Registry, mirror: CacheMirror) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        registry: Registry,
+        mirror: CacheMirror,
+        worker_secret: str = "",
+    ) -> None:
+        self._worker_secret = worker_secret  # the workers' control secret (FLEXLB_WORKER_SECRET)
         self._redis = redis
         self._keys = keys
         self._registry = registry
@@ -46,7 +54,7 @@ class WorkerViews:
         c = self.clients.get(wid)
         if c is None:
             addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr)
+            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret)
         return c
 
     async def load_registry(self) -> None:

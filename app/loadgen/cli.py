@@ -43,6 +43,7 @@ class BenchSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="FLEXLB_", extra="ignore")
     admin_token: str | None = None
+    api_key: str | None = None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-limit", type=int, default=256, help="most requests in flight")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request deadline")
     p.add_argument("--admin-token", default=None, help="gateway admin token (env FLEXLB_ADMIN_TOKEN)")
+    p.add_argument("--api-key", default=None, help="tenant API key for FLEXLB_AUTH=keys (env FLEXLB_API_KEY)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="clip trace output lengths")
     p.add_argument(
         "--over-limit",
@@ -140,10 +142,11 @@ def _redact_argv(argv: list[str]) -> list[str]:
     """The command line as results record it, without the admin token."""
     out = list(argv)
     for i, a in enumerate(out):
-        if a == "--admin-token" and i + 1 < len(out):
-            out[i + 1] = "***"
-        elif a.startswith("--admin-token="):
-            out[i] = "--admin-token=***"
+        for secret in ("--admin-token", "--api-key"):
+            if a == secret and i + 1 < len(out):
+                out[i + 1] = "***"
+            elif a.startswith(secret + "="):
+                out[i] = secret + "=***"
     return out
 
 
@@ -278,6 +281,7 @@ async def run_bench(args: argparse.Namespace) -> int:
             concurrency_limit=args.concurrency_limit,
             model=args.model,
             api=args.api,
+            api_key=args.api_key or BenchSettings().api_key,
         )
         lag = LagMonitor(admin, interval_s=args.lag_interval_s)
         await lag.start()

@@ -45,6 +45,7 @@ class ReplayConfig:
     concurrency_limit: int = 256
     model: str | None = None
     api: str = "native"  # native: FlexLB /v1/generate; completions: OpenAI /v1/completions (peers)
+    api_key: str | None = None  # a tenant's key when the gateway runs FLEXLB_AUTH=keys
 
 
 def _error_code(resp_body: bytes, status: int) -> str:
@@ -107,6 +108,8 @@ async def send_one(
     final: dict[str, Any] | None = None
     try:
         headers = {"x-request-id": rid}
+        if cfg.api_key:
+            headers["authorization"] = f"Bearer {cfg.api_key}"
         async with client.stream("POST", cfg.url.rstrip("/") + path, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 rec.error = _error_code(await resp.aread(), resp.status_code)

@@ -91,8 +91,11 @@ def _b(values: Sequence[str]) -> np.ndarray:
 
 
 class WorkerClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, secret: str = "") -> None:
         self.address = address
+        # The workers' shared secret (FLEXLB_WORKER_SECRET): sent with every control call, which a
+        # worker started with one refuses without it (docs/operations.md "Security").
+        self.secret = secret
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
 
@@ -120,6 +123,8 @@ class WorkerClient:
 
     # ---- control --------------------------------------------------------------------------
     async def control(self, body: dict[str, Any], timeout: float | None = 5.0) -> dict[str, Any]:
+        if self.secret:
+            body = {**body, "secret": self.secret}
         arr = np.array([json.dumps(body).encode()], dtype=np.object_)
         answer: dict[str, Any] | None = None
         # Read to the stream's natural end instead of leaving after the answer: leaving cancels the

@@ -56,6 +56,8 @@ class WorkerConfig:
     device: str = "cpu"  # hf: cpu | cuda
     dtype: str = "float32"  # hf: float32 | bfloat16
     threads: int = 1  # hf: torch intra-op threads (0: torch's default, every core)
+    secret: str = ""  # shared secret the control model and the KV side channel require ("" = none)
+    allow_faults: bool = False  # fault injection (configure `faults`) is refused without it
 
 
 class ControlError(ValueError):

@@ -4,6 +4,7 @@ and reset (docs/worker-protocol.md §7)."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -58,12 +59,20 @@ class ControlModel:
                 body = json.loads(as_str(get(req, W.C_REQUEST)) or "{}")
                 if not isinstance(body, dict):
                     raise ControlError("request must be a JSON object")
+                self._check_secret(body.pop("secret", ""))
                 resp = await self._control(body)
             except (ControlError, FormulaError, ValueError, TypeError, KeyError) as exc:
                 resp = {"error": str(exc), "code": EngineStatus.INVALID}
             resp.setdefault("epoch", self.epoch)
             out = [{W.C_RESPONSE: b1(json.dumps(resp))}]
             yield EndOfStream(out) if req is requests[-1] else out
+
+    def _check_secret(self, given: object) -> None:
+        """A worker started with a secret answers control calls only with it: configure (faults,
+        including `exit_after_batches`), reset, cancel and release change what the engine does."""
+        want = self.cfg.secret
+        if want and not (isinstance(given, str) and hmac.compare_digest(given.encode(), want.encode())):
+            raise ControlError("control needs the worker secret (FLEXLB_WORKER_SECRET)")
 
     async def _control(self, body: dict[str, Any]) -> dict[str, Any]:
         op = body.get("op")
@@ -191,6 +200,8 @@ class ControlModel:
         bad = set(body) - allowed
         if bad:
             raise ControlError(f"unknown configure option(s): {sorted(bad)}")
+        if "faults" in body and not self.cfg.allow_faults:
+            raise ControlError("fault injection is disabled: start the worker with --allow-faults")
         profile = None
         new_current = dict(self.current)
         if "profile" in body or "formula" in body or "kv_capacity_tokens" in body:

@@ -209,7 +209,7 @@ class DecodeModel(StreamBase):
 
         client = self._peer_clients.get(addr)
         if client is None:
-            client = self._peer_clients[addr] = WorkerClient(addr)
+            client = self._peer_clients[addr] = WorkerClient(addr, secret=self.cfg.secret)
         return client
 
     async def _resolve_kv(self, addr: str) -> str | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
+import hmac
 import json
 import logging
 import threading
@@ -75,7 +76,11 @@ class KvClaimServer:
         self,
         claim: Callable[[str, str], Awaitable[str]],
         fetch: Callable[[str, str], Awaitable[Answer]] | None = None,
+        secret: str = "",
     ) -> None:
+        # With a secret, a connection's first line must be it; anything else closes the connection
+        # before a claim is read (KV handles are only for the workers of this cluster).
+        self._secret = secret.encode()
         self._claim = claim
         self._fetch = fetch  # a real engine: hand over the KV frame with the claim
         self._server: asyncio.Server | None = None
@@ -97,6 +102,11 @@ class KvClaimServer:
         if me is not None:
             self._tasks.add(me)
         try:
+            if self._secret:
+                first = (await reader.readline()).rstrip(b"\n")
+                if not hmac.compare_digest(first, self._secret):
+                    log.warning("kv channel: a connection without the worker secret was closed")
+                    return
             while line := await reader.readline():
                 # Each claim answers on its own: one slow engine call does not hold the others.
                 t = asyncio.create_task(self._answer(line, writer))
@@ -193,8 +203,11 @@ class KvClaimClient:
     """Decode side: one connection per peer (prefill `host:grpc_port`), found by `resolve(peer)`
     (None: the peer has no side channel, so `fallback(peer, request_id, epoch)` claims instead)."""
 
-    def __init__(self, resolve: Resolver, fallback: Fallback, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, resolve: Resolver, fallback: Fallback, timeout_s: float = 5.0, secret: str = ""
+    ) -> None:
         self._resolve, self._fallback, self.timeout_s = resolve, fallback, timeout_s
+        self._secret = secret.encode()  # sent as each connection's first line
         self._endpoints: dict[str, str | None] = {}
         self._conns: dict[str, _Conn] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -239,6 +252,8 @@ class KvClaimClient:
                     if attempt:
                         raise
                     continue
+                if self._secret:
+                    writer.write(self._secret + b"\n")
                 conn = self._conns[peer] = _Conn(reader, writer)
                 return conn
         raise AssertionError("unreachable")

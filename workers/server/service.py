@@ -59,9 +59,11 @@ class WorkerService(PrefillModel, DecodeModel, ControlModel):
         self._peer_clients: dict[str, Any] = {}  # gRPC clients of prefill peers (side loop only)
         self.side = SideLoop()
         self.kv_server = (
-            KvClaimServer(self._claim_local, self._kv_fetch_handler()) if cfg.role == "prefill" else None
+            KvClaimServer(self._claim_local, self._kv_fetch_handler(), secret=cfg.secret)
+            if cfg.role == "prefill"
+            else None
         )
-        self.kv_client = KvClaimClient(self._resolve_kv, self._control_release)
+        self.kv_client = KvClaimClient(self._resolve_kv, self._control_release, secret=cfg.secret)
         self.released = {"released": 0, "expired": 0, "cancelled": 0, "reset": 0}
         self._status_seq = 0
         # What configure last applied (reset restores the start-up values): later configure calls

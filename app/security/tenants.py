@@ -1,0 +1,212 @@
+"""Who is calling (API keys → tenant) and whether they may now (per-tenant limits), for the client
+API (issue 16). With `FLEXLB_AUTH=none` (the default of `flexlb up`) nothing here runs.
+
+`TenantGate` is ASGI middleware on `/v1/`: it answers 401 before the body is read when the
+`Authorization: Bearer` key is missing or unknown, 403 when the key's tenant is disabled, and puts
+the tenant into the request's state. It also adds the `x-ratelimit-*` headers the limiter left in
+the state to whatever response goes out (a 200, a stream, or the 429), and gives a concurrency
+slot back when the request ends.
+
+Keys are looked up in Redis and cached here for `KEY_CACHE_S`: a revoked key stops working on
+every replica within that time, and a busy key costs one HGET per replica per interval, not one
+per request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from app import metrics as M
+from app.gateway.errors import ApiError
+from app.security.apikeys import KeyRecord, KeyStore, Limits, limits_for, looks_like_key
+from app.security.limits import REQUEST_ID_RULE, valid_request_id
+from app.security.ratelimit import Limiter
+
+log = logging.getLogger("flexlb.security")
+
+#: How long a key lookup is trusted; revocation reaches every replica within this (test: < 1 s).
+#: A busy key then costs each replica one HGET per interval: nothing beside the request's commands.
+KEY_CACHE_S = 0.25
+#: Separator of tenant and client id in a namespaced request id; never valid in a client id.
+NS = "~"
+
+
+def scoped_id(tenant: str | None, rid: str) -> str:
+    """The id the cluster stores: the client's id inside its tenant's namespace, so two tenants'
+    ids never collide and one tenant cannot name (read, cancel) another's request."""
+    return f"{tenant}{NS}{rid}" if tenant else rid
+
+
+def public_id(rid: str) -> str:
+    """The id as its client knows it."""
+    return rid.split(NS, 1)[1] if NS in rid else rid
+
+
+def path_id(request: Any, rid: str) -> str:
+    """A request id from a URL path, checked and namespaced like one from a body."""
+    if not valid_request_id(rid):
+        raise ApiError("invalid_request", REQUEST_ID_RULE)
+    return scoped_id(tenant_of(request), rid)
+
+
+def tenant_of(request: Any) -> str | None:
+    return request.scope.get("state", {}).get("tenant")  # type: ignore[no-any-return]
+
+
+class Tenants:
+    """The replica's view of keys and limits: the key cache, the limits table (from the runtime
+    config, replaced whole when it changes) and the limiter."""
+
+    def __init__(
+        self, enabled: bool, keys: KeyStore, limiter: Limiter, limits: Callable[[], dict[str, Limits]]
+    ) -> None:
+        self.enabled = enabled
+        self.keys = keys
+        self.limiter = limiter
+        self._limits = limits  # the replica's copy of the runtime config's `tenant_limits`
+        self._cache: dict[str, tuple[KeyRecord | None, float]] = {}
+        # tenant → (refused until, monotonic; the x-ratelimit headers of that refusal)
+        self._refused: dict[str, tuple[float, list[tuple[bytes, bytes]]]] = {}
+
+    def refused_locally(self, tenant: str) -> tuple[ApiError, list[tuple[bytes, bytes]]] | None:
+        """Within a refusal window the cluster's bucket told us about, refuse at the door: no body
+        read, no Redis call. Sound because the bucket's refill time is a lower bound (other
+        replicas can only take tokens, never add). A flood over the limit then costs a replica
+        the HTTP parsing only; bench/tenant_limits.py measures what the other tenants see."""
+        window = self._refused.get(tenant)
+        if window is None:
+            return None
+        until, headers = window
+        left = until - time.monotonic()
+        if left <= 0:
+            del self._refused[tenant]
+            return None
+        M.RATE_LIMITED.labels("requests").inc()
+        err = ApiError(
+            "rate_limited",
+            f"tenant {tenant!r} is over its limit of {self.limits_of(tenant).rps:g} requests/s",
+            retry_after_s=max(1.0, left),
+        )
+        return err, headers
+
+    def limits_of(self, tenant: str) -> Limits:
+        return limits_for(self._limits(), tenant)
+
+    async def authenticate(self, key: str) -> KeyRecord | None:
+        now = time.monotonic()
+        hit = self._cache.get(key)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        rec = await self.keys.lookup(key) if looks_like_key(key) else None
+        if len(self._cache) > 10_000:  # bounded: unknown keys from a scanner must not grow it
+            self._cache.clear()
+        self._cache[key] = (rec, now + KEY_CACHE_S)
+        return rec
+
+    async def admit(self, request: Any, rid: str, cost: int, timeout_ms: int) -> None:
+        """Take from the tenant's buckets or raise 429 `rate_limited` (with `Retry-After`); the
+        `x-ratelimit-*` headers go into the request's state for `TenantGate` to send."""
+        tenant = tenant_of(request)
+        if tenant is None:
+            return
+        lim = limits_for(self._limits(), tenant)
+        if not lim.limited:
+            return
+        try:
+            v = await self.limiter.admit(tenant, lim, rid, cost, timeout_ms)
+        except RedisError as exc:  # fail_closed, like the rest of the request path
+            raise ApiError("state_unavailable", "tenant limits unavailable", retry_after_s=1) from exc
+        state = request.scope.setdefault("state", {})
+        state["ratelimit_headers"] = v.headers
+        if v.holds_slot:
+            state["slot"] = (tenant, rid)
+        if not v.allowed:
+            if v.reason == "requests":  # no request of this tenant can pass before then: say so here
+                self._refused[tenant] = (time.monotonic() + v.retry_after_ms / 1000, v.headers)
+            M.RATE_LIMITED.labels(v.reason or "requests").inc()
+            what = {
+                "requests": f"{lim.rps:g} requests/s",
+                "tokens": f"{lim.tpm} tokens/min",
+                "tokens_above_limit": f"{lim.tpm} tokens/min (this request alone needs {cost})",
+                "concurrent": f"{lim.max_concurrent} concurrent requests",
+            }.get(v.reason, v.reason)
+            raise ApiError(
+                "rate_limited",
+                f"tenant {tenant!r} is over its limit of {what}",
+                retry_after_s=max(1.0, v.retry_after_ms / 1000),
+            )
+
+
+def _bearer(scope: Any) -> str:
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, given = value.decode("latin-1").partition(" ")
+            return given.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+class TenantGate:
+    """See the module doc. Paths outside `/v1/` (health, metrics, admin) pass untouched."""
+
+    def __init__(self, app: Any, tenants: Tenants) -> None:
+        self.app = app
+        self.tenants = tenants
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.tenants.enabled or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        key = _bearer(scope)
+        try:
+            rec = await self.tenants.authenticate(key) if key else None
+        except RedisError:
+            await _reply(send, ApiError("state_unavailable", "API keys unavailable", retry_after_s=1))
+            return
+        if rec is None:
+            msg = "missing API key: send 'Authorization: Bearer <key>'" if not key else "invalid API key"
+            await _reply(send, ApiError("unauthorized", msg))
+            return
+        limits = self.tenants.limits_of(rec.tenant)
+        if limits.disabled:
+            await _reply(send, ApiError("forbidden", f"tenant {rec.tenant!r} is disabled"))
+            return
+        state = scope.setdefault("state", {})
+        state["tenant"] = rec.tenant
+        state["max_priority"] = limits.max_priority  # the cap clamps x-flexlb-priority to it
+
+        async def send_with_headers(msg: Any) -> None:
+            if msg["type"] == "http.response.start":
+                extra = state.get("ratelimit_headers")
+                if extra:
+                    msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
+            await send(msg)
+
+        refused = self.tenants.refused_locally(rec.tenant)
+        if refused is not None:
+            await _reply(send, refused[0], refused[1])
+            return
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            slot = state.get("slot")
+            if slot is not None:
+                self.tenants.limiter.release(*slot)
+
+
+async def _reply(send: Any, err: ApiError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += extra or []
+    if err.retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, round(err.retry_after_s))).encode()))
+    if err.code == "unauthorized":
+        headers.append((b"www-authenticate", b"Bearer"))
+    M.REJECTIONS.labels(err.code).inc()
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
