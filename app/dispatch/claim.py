@@ -149,6 +149,8 @@ class OwnerClaims:
                         item,
                         deadline_ms=item.ttft_deadline_ms,
                         drop_late=item.drop_late,
+                        priority=item.priority,
+                        tenant=item.tenant,
                     )
                 )
                 self.wake.set()

@@ -74,6 +74,7 @@ class GenRequest:
     # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
+    priority: int = 1  # level of its x-flexlb-priority class (app/dispatch/items.py); `pr` if not 1
 
 
 @dataclass
@@ -566,6 +567,7 @@ class Pipeline:
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
             if req.deadline_ms or r.admission.drop_late == "always":
                 meta["drop"] = 1
+        meta.update({"pr": req.priority} if req.priority != 1 else {})  # the owner's batch order
         if req.sampling:
             meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
