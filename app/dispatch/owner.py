@@ -271,6 +271,8 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 item,
                 deadline_ms=item.ttft_deadline_ms,
                 drop_late=item.drop_late,
+                priority=item.priority,
+                tenant=item.tenant,
             )
         )
         self.wake.set()

@@ -98,6 +98,9 @@ class ConfigPatch(BaseModel):
     predict_threshold_ms: float = Field(None, ge=0, strict=True)
     max_batch_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] = Field(None)
     slo_ttft_ms: float = Field(None, gt=0, strict=True)
+    priority_starvation_ms: float = Field(
+        None, ge=0, le=3_600_000, strict=True, description="modelled ms queued before it outranks every class"
+    )
 
 
 @router.get("/workers")

@@ -31,6 +31,7 @@ BATCHER_KEYS = {
     "predict_threshold_ms": ("predict_threshold_ms", float),
     "max_batch_tokens": ("max_batch_tokens", int),
     "slo_ttft_ms": ("slo_ttft_ms", float),
+    "priority_starvation_ms": ("starvation_ms", float),
 }
 
 

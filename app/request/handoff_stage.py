@@ -209,6 +209,7 @@ class HandoffStage(RequestContext):
             meta["ttft_dl"] = round(time.time() * 1000 + slo - (time.perf_counter() - p.t0) * 1000)
             if req.deadline_ms or self.runtime.admission.drop_late == "always":
                 meta["drop"] = 1
+        meta.update({"pr": req.priority} if req.priority != 1 else {})  # the owner's batch order
         if req.sampling:
             meta["smp"] = req.sampling
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time

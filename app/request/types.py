@@ -47,6 +47,7 @@ class GenRequest:
     # temperature / top_p / seed (those given): they travel in the hand-off to the prefill batch,
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
+    priority: int = 1  # level of its x-flexlb-priority class (app/dispatch/items.py); `pr` if not 1
 
 
 @dataclass
