@@ -4,6 +4,9 @@ SCHEMATHESIS_HOOKS.
 - `flexlb-formula`: the published format of `prefill_time_formula` (a prefill-time formula, the
   language of app/scheduling/formula.py). A JSON schema cannot state a grammar, so the fuzzer is
   taught to write valid ones; invalid ones are still sent by its negative phase.
+- `flexlb-policies`: the published format of `policies` (JSON text, the FLEXLB_POLICIES format):
+  which plugins exist and how they compose is the registry's, not a JSON schema's, so the fuzzer
+  writes valid compositions of built-in plugins; invalid ones are still sent by its negative phase.
 - Deadlines: a schema-valid `timeout_ms` of a few ms is a legitimate 504 (`deadline_exceeded`, the
   request really ran out of time), which the fuzzer would count as a server error; so is a
   `deadline_ms` (TTFT deadline) of a few ms that passes while the request is queued. Generated
@@ -12,6 +15,7 @@ SCHEMATHESIS_HOOKS.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import schemathesis
@@ -35,6 +39,36 @@ _COEF = st.floats(min_value=0, max_value=10, allow_nan=False).map(lambda x: f"{x
 schemathesis.openapi.format(
     "flexlb-formula",
     st.builds(lambda base, coef, term: f"{base} + {coef}*{term}", _COEF, _COEF, _TERMS),
+)
+
+
+# Valid compositions of built-in plugins (the registry's rules: a scorer's role, `best` needs
+# scorers, the others take none), by role.
+_PREFILL_POLICIES: list[dict[str, Any]] = [
+    {"role": "prefill", "scorers": {"predicted_finish_ms": 1.0}},
+    {"role": "prefill", "filters": ["hotspot", "prefix_affinity"], "scorers": {"prefill_load_ms": 2.0}},
+    {
+        "role": "prefill",
+        "scorers": {"predicted_finish_ms": 1.0, "cache_hit_tokens": 0.01},
+        "picker": {"name": "best", "tie_pct": 0.1, "tie_abs": 20},
+        "batching": "direct",
+    },
+    {"role": "prefill", "filters": ["hotspot"], "picker": "round_robin", "batching": "slo"},
+]
+_DECODE_POLICIES: list[dict[str, Any]] = [
+    {"role": "decode", "scorers": {"decode_running": 1.0}},
+    {"role": "decode", "picker": "random"},
+]
+# Always the same names with the same roles: once declared they are in the published enums, and a
+# later patch that selects one while replacing the set must still hold it.
+schemathesis.openapi.format(
+    "flexlb-policies",
+    st.fixed_dictionaries(
+        {
+            **{f"fz_p{i}": st.sampled_from(_PREFILL_POLICIES) for i in range(2)},
+            "fz_d0": st.sampled_from(_DECODE_POLICIES),
+        }
+    ).map(json.dumps),
 )
 
 

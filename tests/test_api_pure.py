@@ -86,3 +86,17 @@ def test_validation_messages_name_the_field_as_a_client_writes_it() -> None:
     }
     assert validation_message([err], doc) == "invalid JSON at line 3 column 8: Expecting value"
     assert json_position(b"ab", 0) == (1, 1)
+
+
+def test_a_negative_seed_reaches_the_engines_as_an_exact_int64() -> None:
+    """A negative API seed is folded into [0, 2**63); through a float it rounded up to 2**63 and the
+    prefill dispatch died with OverflowError (500 internal, found by the OpenAPI fuzz pass)."""
+    import numpy as np
+
+    from app.api.schemas import GenerateRequest, sampling_of
+    from app.rpc.worker_client import _sampling_inputs
+
+    sampling = sampling_of(GenerateRequest(prompt="hi", seed=-103))
+    assert sampling is not None
+    seeds = _sampling_inputs([sampling, None], "t", "p", "s")[2][1]
+    assert seeds.dtype == np.int64 and seeds.tolist() == [2**63 - 103, -1]

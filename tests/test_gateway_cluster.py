@@ -460,6 +460,81 @@ def test_a_declared_policy_routes_live_with_its_batching(
         gw.stop()
 
 
+def test_policies_declared_at_runtime_apply_on_every_replica(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """`PUT /admin/config` `policies` declares policies without a restart: checked against the
+    plugin registry (a bad one stores nothing), stored in Redis, listed, published and selectable
+    on every replica, and a selected policy cannot be removed from under the config."""
+    import httpx
+
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, specs(worker_pool))
+    gw2 = start_gateway(tmp_path, shared_embedded_redis, cluster)
+    try:
+        cfg0 = gw.get("/admin/config", admin=True).json()
+        sticky = {"role": "prefill", "scorers": {"predicted_finish_ms": 1, "cache_hit_tokens": 0.01}}
+        for bad in (
+            {"x": {"role": "prefill", "scorers": {"no_such_scorer": 1}}},
+            {"cost": sticky},  # a built-in's name
+            {"a,b": sticky},  # not usable in `flexlb simulate --policy a,b`
+            {"x": {**sticky, "scorers": {"predicted_finish_ms": 0}}},
+            {"x": {**sticky, "picker": {"name": "best", "tie_pct": "wide"}}},
+            {"x": {**sticky, "filters": [{"name": "hotspot", "no_such_parameter": 1}]}},
+            [sticky],
+        ):
+            resp = httpx_put(gw, "/admin/config", {"policies": json.dumps(bad)})
+            assert resp.status_code == 400, (bad, resp.text)
+            assert resp.json()["error"]["code"] == "invalid_request"
+        for bad_patch in (
+            {"policies": "{"},
+            {"policies": json.dumps({"x": sticky}), "prefill_strategy": "y"},
+        ):
+            assert httpx_put(gw, "/admin/config", bad_patch).status_code == 400, bad_patch
+        assert gw.get("/admin/config", admin=True).json() == cfg0
+        declared = {
+            "sticky_rt": {**sticky, "batching": "direct"},
+            "fewest_running": {"role": "decode", "scorers": {"decode_running": 1}},
+        }
+        patch = {
+            "policies": json.dumps(declared),
+            "prefill_strategy": "sticky_rt",
+            "decode_strategy": "fewest_running",
+        }
+        ok = httpx_put(gw, "/admin/config", patch)
+        assert ok.status_code == 200, ok.text
+        assert json.loads(ok.json()["config"]["policies"]) == declared
+
+        def effective() -> tuple[str, str, str]:
+            e = gw2.get("/admin/config", admin=True).json()["effective"]
+            return e["prefill_strategy"], e["decode_strategy"], e["schedule_mode"]
+
+        # the other replica applies it: the policies, the selection and the policy's batching mode
+        wait_for(lambda: effective() == ("sticky_rt", "fewest_running", "direct"), 10, what="applied on gw2")
+        listed = gw2.get("/admin/policies", admin=True).json()["policies"]
+        assert listed["prefill"]["sticky_rt"]["batching"] == "direct"
+        assert "fewest_running" in listed["decode"]
+        doc = gw2.get("/openapi.json").json()["components"]["schemas"]["ConfigPatch"]["properties"]
+        assert "sticky_rt" in doc["prefill_strategy"]["enum"]
+        wait_for(lambda: gw2.readyz()["ready"], 20, what="ready")
+        done = httpx.post(
+            gw2.url + "/v1/generate", json={"prompt": "runtime policy " * 8, "max_new_tokens": 2}, timeout=30
+        )
+        assert done.status_code == 200, done.text
+        # selected: cannot be removed until another is selected
+        resp = httpx_put(gw, "/admin/config", {"policies": "{}"})
+        assert resp.status_code == 400 and "selected" in resp.json()["error"]["message"]
+        back = {"policies": "{}", "prefill_strategy": "cost", "decode_strategy": "kv_headroom"}
+        assert httpx_put(gw, "/admin/config", back).status_code == 200
+        wait_for(
+            lambda: "sticky_rt" not in gw2.get("/admin/policies", admin=True).json()["policies"]["prefill"],
+            10,
+            what="removed on gw2",
+        )
+    finally:
+        gw2.stop()
+        gw.stop()
+
+
 def httpx_put(gw: Gateway, path: str, body: dict):
     import httpx
 

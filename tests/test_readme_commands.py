@@ -20,7 +20,7 @@ import typer
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "data" / "traces" / "README.md"]
 #: Tools a reader installs or already has; their commands are checked for paths only.
-EXTERNAL = {"curl", "docker", "open", "prometheus", "export", "openssl", "git", "cd"}
+EXTERNAL = {"curl", "docker", "open", "prometheus", "export", "openssl", "git", "cd", "nice"}
 #: Options whose value is something the command writes (need not exist beforehand).
 WRITES = {"--output", "--log-dir", "--storage.tsdb.path", ">", ">>"}
 #: Files that exist only while a stack runs.

@@ -45,18 +45,18 @@ async def test_pipeline_replies_match_redis_py(redis_url: str) -> None:
                 ["GET", k + ":s"],
                 ["HSET", k + ":h", "a", 1],
                 ["LPUSH", k + ":s", "x"],  # WRONGTYPE: an error reply, in place
-                ["EVALSHA", sha, 2, k + ":q", k + ":qms", 10, "2.5", "{}", b"\x01\x00\x00\x00"],
+                ["EVALSHA", sha, 3, k + ":q", k + ":qms", k + ":l", 10, "2.5", "{}", b"\x01\x00\x00\x00", 1],
                 ["EVALSHA", "0" * 40, 0],
             ]
         )
         assert res[:4] == [b"OK", 7, b"v", 1]
         assert isinstance(res[4], ResponseError) and "WRONGTYPE" in str(res[4])
-        entry, queued = res[5]
-        assert entry.count(b"-") == 1 and queued == b"2.500000"
+        entry, queued, owed = res[5]
+        assert entry.count(b"-") == 1 and queued == b"2.500000" and owed == b"0.000"
         assert await r.xlen(k + ":q") == 1
         assert isinstance(res[6], NoScriptError)
     finally:
-        await r.delete(k + ":s", k + ":n", k + ":h", k + ":q", k + ":qms")
+        await r.delete(k + ":s", k + ":n", k + ":h", k + ":q", k + ":qms", k + ":l")
         await c.close()
         await r.aclose()
 

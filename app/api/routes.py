@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
+from app.dispatch.items import level_of
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
 from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, trace_id_from, valid_request_id
@@ -271,6 +272,7 @@ async def _prepare(
         stop=stop,
         user=user or "",
         deadline_ms=deadline,
+        priority=level_of(request.scope.get("state", {}).get("priority")),  # set by ConcurrencyCap
     )
 
 

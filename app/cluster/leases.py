@@ -263,6 +263,11 @@ class LeaseManager:
         now = time.monotonic()
         return {w: lease for w, lease in self._owned.items() if lease.is_valid(now)}
 
+    def lease(self, wid: str) -> Lease | None:
+        """The lease object this replica holds or last held for ``wid`` (valid or not): an owner's
+        loops keep it and check `is_valid()` before each action, so a renewal reaches them."""
+        return self._owned.get(wid)
+
     def is_master(self) -> bool:
         return self.master.is_valid()
 

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from app import metrics as M
 from app.dispatch.items import QueueItem, parse_item
 from app.rpc.worker_client import WorkerUnavailable
-from app.scheduling.batcher import Pending
 from app.state.handoff import GROUP
 from app.state.text import to_str as s
 
@@ -59,6 +58,8 @@ class OwnerClaims:
     time_scale: Callable[[], float]
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None: ...
+
+    def admit(self, item: QueueItem, now_ms: float) -> None: ...
 
     async def _claim_loop(self) -> None:
         """Claim the previous owner's pending entries once the lease is ours (min idle 0), then
@@ -139,19 +140,7 @@ class OwnerClaims:
                         # `duplicate` answer for the old batch still keeps it from running twice.
                         log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
                     await self.store.settle(self.wid, bid, item.request_id)
-                self.batcher.add(
-                    Pending(
-                        item.request_id,
-                        len(item.tokens),
-                        item.hit_tokens,
-                        time.time() * 1000,
-                        item.predicted_ms * self.time_scale(),
-                        item,
-                        deadline_ms=item.ttft_deadline_ms,
-                        drop_late=item.drop_late,
-                    )
-                )
-                self.wake.set()
+                self.admit(item, time.time() * 1000)
         return len(claimed)
 
     async def _adopt(self, item: QueueItem, batch_id: str) -> None:

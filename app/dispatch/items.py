@@ -6,8 +6,21 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from app.scheduling.batcher import DEFAULT_PRIORITY
+from app.security.limits import PRIORITIES
+from app.security.tenants import NS
 from app.state.handoff import unpack_tokens
 from app.state.text import to_str as s
+
+#: A class's level in the queue entry's `pr` field (absent for `default`): the owner's batcher
+#: takes higher levels first (app/scheduling/batcher.py).
+LEVEL = {name: i for i, name in enumerate(PRIORITIES)}
+assert LEVEL["default"] == DEFAULT_PRIORITY
+
+
+def level_of(priority: str | None) -> int:
+    """The level of a class name from the request's state (`default` when none was set)."""
+    return LEVEL.get(priority or "default", DEFAULT_PRIORITY)
 
 
 @dataclass
@@ -25,6 +38,8 @@ class QueueItem:
     ttft_deadline_ms: float = 0.0  # wall ms since the epoch its TTFT deadline passes; 0 = none
     drop_late: bool = False  # end it typed if that deadline passes while it waits here
     sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
+    priority: int = DEFAULT_PRIORITY  # LEVEL of its x-flexlb-priority class
+    tenant: str = ""  # from the namespaced request id: nothing extra travels for it
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
@@ -43,4 +58,6 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         ttft_deadline_ms=float(m.get("ttft_dl", 0.0)),
         drop_late=bool(m.get("drop", 0)),
         sampling=m.get("smp") or None,
+        priority=int(m.get("pr", DEFAULT_PRIORITY)),
+        tenant=str(m["rid"]).split(NS, 1)[0] if NS in str(m["rid"]) else "",
     )

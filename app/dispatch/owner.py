@@ -24,10 +24,11 @@ from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
 from app.dispatch.claim import OwnerClaims
 from app.dispatch.items import QueueItem, parse_item
+from app.dispatch.ledger import OwnerLedger
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
-from app.scheduling.batcher import Batcher, BatcherConfig, Pending
+from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.connect import redis_client
@@ -39,7 +40,7 @@ from app.state.store import FencedOut, StateStore
 log = logging.getLogger("flexlb.owner")
 
 
-class OwnerDispatcher(OwnerClaims):
+class OwnerDispatcher(OwnerClaims, OwnerLedger):
     def __init__(
         self,
         wid: str,
@@ -144,50 +145,6 @@ class OwnerDispatcher(OwnerClaims):
             await asyncio.sleep(0.02)
         return False
 
-    async def audit_ledger(
-        self, st: dict[str, Any], grace_ms: float = 2000.0, ttl_ms: float = 300_000.0
-    ) -> dict[str, int]:
-        """Backstop for settle-on-reply (DESIGN §7, lesson 3), run on the owner's status polls.
-
-        A ledger batch that this owner is not dispatching, that the worker no longer holds (not
-        queued, not running) and that was committed more than `grace_ms` ago will never be answered
-        by a reply: it is settled here, counted by how we know — `record` (the worker reported it
-        finished), `missed` (history rolled over, or the reply path died). A batch older than
-        `ttl_ms` whatever its state is settled as `ttl`; that counter staying 0 is the proof the
-        other paths are complete."""
-        now = time.time() * 1000
-        seen = self._finished_seen
-        for r in st.get("finished", []):
-            seen.setdefault(str(r.get("batch_id", "")), now)  # first sighting: insertion order = age
-        # A batch first seen finished more than `ttl_ms` ago was committed even earlier, so the
-        # audit settles it as `ttl` whatever this says: forget it (this dict otherwise filled up to
-        # its 20,000 cap for half an hour of soak, growing the gateway's RSS all the while).
-        while seen and (next(iter(seen.values())) < now - ttl_ms or len(seen) > 20_000):
-            del seen[next(iter(seen))]
-        if now - self._last_audit < 1000 or not self.lease.is_valid():
-            return {}
-        self._last_audit = now
-        ledger = await self.store.read_ledger(self.wid)
-        on_worker = {str(b.get("batch_id")) for b in st.get("live", [])}
-        epoch = str(st.get("epoch", ""))
-        counts: dict[str, int] = {}
-        for bid, entry in ledger.items():
-            age = now - float(entry.get("start_ms", now))
-            if age > ttl_ms:
-                path = "ttl"
-            elif bid in self._batch_sizes or bid in on_worker or age < grace_ms:
-                continue
-            elif entry.get("epoch") and str(entry["epoch"]) != epoch:
-                continue  # an older epoch's batch: settled by the epoch change (settle_epoch)
-            else:
-                path = "record" if bid in self._finished_seen else "missed"
-            n = await self.store.settle_batch(self.wid, bid)
-            if n:
-                counts[path] = counts.get(path, 0) + n
-                M.LEDGER_LATE_SETTLED.labels(path).inc(n)
-                log.warning("owner %s: settled %d members of batch %s late (%s)", self.wid, n, bid, path)
-        return counts
-
     async def stop(self) -> None:
         self._stopping = True
         for t in self._tasks:
@@ -241,19 +198,7 @@ class OwnerDispatcher(OwnerClaims):
             for entry_id, fields in entries:
                 item = parse_item(entry_id, fields)
                 self._handling.add(item.entry_id)
-                self.batcher.add(
-                    Pending(
-                        item.request_id,
-                        len(item.tokens),
-                        item.hit_tokens,
-                        now,
-                        item.predicted_ms * self.time_scale(),
-                        item,
-                        deadline_ms=item.ttft_deadline_ms,
-                        drop_late=item.drop_late,
-                    )
-                )
-                self.wake.set()
+                self.admit(item, now)
 
     async def _decide_loop(self) -> None:
         name = f"owner_decide:{self.wid}"
@@ -272,12 +217,7 @@ class OwnerDispatcher(OwnerClaims):
         if not self.lease.is_valid():  # a lapsed owner stops acting; entries stay pending
             await asyncio.sleep(0.1)
             return
-        if self._draining:
-            if self.batcher.config.wait_ms:
-                self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
-        elif self.config() is not self._cfg_seen:
-            self.batcher.config = self._scaled_config()
-        d = commit_step(self.batcher, time.time() * 1000)
+        d = self.decide(time.time() * 1000)
         if d.failed:
             await self._take_refused([p.payload for p, _ in d.failed])  # type: ignore[misc]
         for p, code in d.failed:
@@ -313,34 +253,43 @@ class OwnerDispatcher(OwnerClaims):
         except TRANSIENT as exc:
             log.debug("owner %s: marking %d requests dispatched failed: %s", self.wid, len(request_ids), exc)
 
-    async def _take_refused(self, items: list[QueueItem]) -> None:
-        """Items the batcher refused leave the queue without a batch: their predicted ms come
-        off the worker's queued_ms, or the worker looks busier forever (issue 14). Done by the
-        fenced commit script with no members under a fresh id — it takes `take_ms` once, only for
-        the lease holder, and writes no ledger entry. A failure here is repaired by the
-        reconciler, which recomputes queued_ms from the queue."""
-        take = sum(i.predicted_ms for i in items)
-        if take <= 0:
-            return
-        try:
-            await self.store.commit_batch(
-                self.wid,
-                f"r-{uuid.uuid4().hex[:16]}",
-                [],
-                0.0,
-                time.time() * 1000,
-                self.lease.fence,
-                self.replica_id,
-                take_ms=take,
-            )
-        except FencedOut:
-            return
-        except TRANSIENT as exc:
-            log.warning("owner %s: taking %.1f refused ms off queued_ms failed: %s", self.wid, take, exc)
-
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
-        self.batcher.batch_finished(time.time() * 1000)
+        self.batch_finished(time.time() * 1000)
+
+    # ---- the decisions, without I/O (the simulator makes the same: tests/test_live_sim_equivalence.py)
+    def admit(self, item: QueueItem, now_ms: float) -> None:
+        """A hand-off read from the queue (or claimed) joins the batcher, stamped with when the
+        owner read it, its predicted ms in the batcher's (wall) clock and its TTFT deadline."""
+        self.batcher.add(
+            Pending(
+                item.request_id,
+                len(item.tokens),
+                item.hit_tokens,
+                now_ms,
+                item.predicted_ms * self.time_scale(),
+                item,
+                deadline_ms=item.ttft_deadline_ms,
+                drop_late=item.drop_late,
+                priority=item.priority,
+                tenant=item.tenant,
+            )
+        )
+        self.wake.set()
+
+    def decide(self, now_ms: float) -> Decision:
+        """The batcher's decision at ``now_ms`` under the current knobs (a drain flushes without
+        waiting); a released batch is counted in flight before this returns (`commit_step`)."""
+        if self._draining:
+            if self.batcher.config.wait_ms:
+                self.batcher.config = dataclasses.replace(self.batcher.config, wait_ms=0.0)
+        elif self.config() is not self._cfg_seen:
+            self.batcher.config = self._scaled_config()
+        return commit_step(self.batcher, now_ms)
+
+    def batch_finished(self, now_ms: float) -> None:
+        """A dispatched batch was answered (or failed): the worker has room for the next."""
+        self.batcher.batch_finished(now_ms)
         self.wake.set()
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:

@@ -3,6 +3,8 @@ so they persist and apply on every replica (upstream lesson 10)."""
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
@@ -20,15 +22,9 @@ from app.gateway.errors import ApiError, check_token_ids
 from app.gateway.replica import Replica, batcher_config_from
 from app.protocol.blocks import block_keys
 from app.scheduling.formula import FormulaError, compile_formula
-from app.scheduling.policy import DECODE, PREFILL
+from app.scheduling.policy import DECODE, PREFILL, runtime_book
 from app.security.apikeys import TENANT, KeyStore, check_tenant
 from app.state.text import to_str as _s
-
-RUNTIME_KEYS: dict[str, type] = {
-    "prefill_strategy": str,
-    "decode_strategy": str,
-    "prefill_time_formula": str,
-}
 
 
 def _replica(request: Request) -> Replica:
@@ -66,6 +62,10 @@ class AddWorkers(BaseModel):
     )
 
 
+#: A runtime-declared policy's name: usable in `flexlb simulate --policy NAME[@BATCHING],...` too.
+POLICY_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
 class ConfigPatch(BaseModel):
     """Runtime config: every field optional, none null, at least one given. The ranges are the
     batcher's (BatcherConfig.validate), so a schema-valid patch is an applied one."""
@@ -74,6 +74,17 @@ class ConfigPatch(BaseModel):
     # The published document lists the policy names this replica accepts (its registry) as enums.
     prefill_strategy: str = Field(None)
     decode_strategy: str = Field(None)
+    policies: str = Field(
+        None,
+        max_length=65_536,
+        json_schema_extra={"format": "flexlb-policies"},
+        description=(
+            "policies declared at runtime: JSON text, name → {role, filters, scorers, picker, "
+            "batching}, the format of FLEXLB_POLICIES (app/scheduling/policy.py; names "
+            "[A-Za-z0-9_.-], 1-64 characters); replaces the previously declared set ('{}' removes "
+            "them); checked against the plugin registry (GET /admin/policies); every replica applies it"
+        ),
+    )
     prefill_time_formula: str = Field(
         None,
         json_schema_extra={"format": "flexlb-formula"},
@@ -87,6 +98,9 @@ class ConfigPatch(BaseModel):
     predict_threshold_ms: float = Field(None, ge=0, strict=True)
     max_batch_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] = Field(None)
     slo_ttft_ms: float = Field(None, gt=0, strict=True)
+    priority_starvation_ms: float = Field(
+        None, ge=0, le=3_600_000, strict=True, description="modelled ms queued before it outranks every class"
+    )
 
 
 @router.get("/workers")
@@ -227,6 +241,20 @@ async def get_config(request: Request) -> dict[str, Any]:
     return {"config": {_s(k): _s(v) for k, v in raw.items()}, "effective": effective}
 
 
+def _runtime_policies(text: str) -> str:
+    """The patch's `policies` as stored: its JSON object, names checked, in one canonical form."""
+    try:
+        declared = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ApiError("invalid_request", f"policies: not JSON ({exc.msg})") from None
+    if not isinstance(declared, dict):
+        raise ApiError("invalid_request", "policies: expected a JSON object, name → policy")
+    for name in declared:
+        if not POLICY_NAME.fullmatch(name):
+            raise ApiError("invalid_request", f"policies: bad name {name!r} (letters, digits, _ . -; 1-64)")
+    return json.dumps(declared, separators=(",", ":"), sort_keys=True)
+
+
 @router.put("/config")
 async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     """Validate everything, then apply all of it in one transaction (or nothing)."""
@@ -234,16 +262,29 @@ async def put_config(body: ConfigPatch, request: Request) -> dict[str, Any]:
     if not patch:
         raise ApiError("invalid_request", "request body: nothing to change (give at least one field)")
     r = _replica(request)
+    current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
+    if "policies" in patch:
+        patch["policies"] = _runtime_policies(patch["policies"])
+    # Names are checked against the policies the config will hold: the stored ones (another
+    # replica may have changed them since this one last applied the config) or the patch's.
+    try:
+        book = runtime_book(r.settings.policies, patch.get("policies", current.get("policies")))
+    except (ValueError, TypeError) as exc:  # plugins check their parameters' types by using them
+        raise ApiError("invalid_request", f"policies: {exc}") from exc
     for key, role in (("prefill_strategy", PREFILL), ("decode_strategy", DECODE)):
-        known = r.policies.names(role)
+        known = book.names(role)
         if key in patch and patch[key] not in known:
             raise ApiError("invalid_request", f"{key}: must be one of {known}")
+        selected = current.get(key, getattr(r.settings, key))
+        if key not in patch and selected not in known:
+            raise ApiError(
+                "invalid_request", f"policies: {key} {selected!r} is selected; select another one first"
+            )
     if "prefill_time_formula" in patch:
         try:
             compile_formula(patch["prefill_time_formula"])
         except FormulaError as exc:
             raise ApiError("invalid_request", f"prefill_time_formula: {exc}") from exc
-    current = {_s(k): _s(v) for k, v in (await r.redis.hgetall(r.keys.config)).items()}
     try:
         batcher_config_from({**current, **{k: str(v) for k, v in patch.items()}})
     except (ValueError, TypeError) as exc:

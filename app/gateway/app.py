@@ -68,14 +68,18 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     app.state.tenants = tenants
     install_error_handlers(app)
     schema: dict[str, Any] = {}
+    built_for: list[Any] = [None]  # the policy book the cached document lists
 
     def openapi() -> dict[str, Any]:
-        """The published contract, with this replica's limits (served model, max tokens, vocabulary)."""
-        if not schema:
+        """The published contract, with this replica's limits (served model, max tokens, vocabulary)
+        and the policy names it accepts, rebuilt when policies are declared at runtime."""
+        book = replica.policies
+        if not schema or built_for[0] is not book:
             vocab = int(replica.tokenizer.vocab_size)
-            book = replica.policies
             names = {role: book.names(role) for role in (PREFILL, DECODE)}
+            schema.clear()
             schema.update(build_openapi(app, settings.model, settings.max_new_tokens_limit, vocab, names))
+            built_for[0] = book
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

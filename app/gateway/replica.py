@@ -1,5 +1,12 @@
-"""One gateway replica's cluster machinery: Redis, membership, leases, owner pollers, the cache
-mirror, the master's reaping and the Redis health watch (`fail_closed`, DESIGN §6).
+"""One gateway replica: the services it hosts, wired together, and its lifecycle.
+
+Services, each with its own state and narrow interface: `WorkerViews` (registry copy, owner
+snapshots, overlays, worker clients; app/gateway/views.py), `RuntimeConfig` (policies, formula,
+batcher knobs from the config hash; runtime.py), `Membership` and `LeaseManager` (app/cluster/, on
+the control connection pool), `Ownership` (pollers and owner dispatchers for the leases held;
+ownership.py), `MasterDuties` (sweep, reaping, reconciler; master.py), the cache mirror and its
+follower (app/cache/), the request `Pipeline` (app/request/). The replica keeps the Redis health
+watch (`fail_closed`, DESIGN §6), the rebuild of a Redis that came back empty, start/drain/stop.
 
 The replica holds no state another replica needs: everything shared is in Redis; what is kept
 here (worker snapshots, the cache mirror) is a local copy that any replica rebuilds from Redis.
@@ -20,7 +27,6 @@ from typing import Any
 from app import metrics as M
 from app.cache.follower import MirrorFollower
 from app.cache.mirror import CacheMirror
-from app.cluster.health import HealthChange
 from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.membership import Membership
@@ -29,20 +35,26 @@ from app.cluster.reconciler import Reconciler
 from app.cluster.registry import Registry, WorkerSpec
 from app.config import Settings
 from app.dispatch.owner import OwnerDispatcher
+from app.gateway.master import MasterDuties
+from app.gateway.ownership import Ownership, lease_metric
+from app.gateway.runtime import BATCHER_KEYS, RuntimeConfig, batcher_config_from
+from app.gateway.views import WorkerViews
 from app.request.channels import NotifyListener, ReplyRouter
 from app.request.pipeline import Pipeline
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.admission import AdmissionConfig
 from app.scheduling.batcher import BatcherConfig
-from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
-from app.scheduling.policy import DECODE, PREFILL, Policy, PolicyBook, batching_config
-from app.security.apikeys import Limits, parse_tenant_limits
+from app.scheduling.formula import Formula
+from app.scheduling.policy import Policy, PolicyBook
+from app.security.apikeys import Limits
 from app.state.connect import redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import StateStore
-from app.state.text import to_str as _s
 from app.tokens.tokenizer import load_tokenizer
+
+__all__ = ["BATCHER_KEYS", "Replica", "batcher_config_from", "default_replica_id"]
 
 log = logging.getLogger("flexlb.replica")
 
@@ -83,6 +95,14 @@ class Replica:
             fast=self.fast_redis,
         )
         self.registry = Registry(self.redis, self.keys)
+        self.mirror = CacheMirror(
+            settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
+        )
+        self.views = WorkerViews(
+            self.redis, self.keys, self.registry, self.mirror, worker_secret=settings.worker_secret or ""
+        )
+        self.runtime = RuntimeConfig(settings, self.redis, self.keys)
+        self.tokenizer = load_tokenizer(settings.tokenizer)
         self.membership = Membership(
             self.control_redis,
             self.keys,
@@ -92,58 +112,79 @@ class Replica:
             settings.member_ttl_ms,
             loops=self.loops,
         )
+        self.ownership = Ownership(
+            replica_id=self.replica_id,
+            redis_url=redis_url,
+            settings=settings,
+            keys=self.keys,
+            redis=self.redis,
+            store=self.store,
+            views=self.views,
+            runtime=self.runtime,
+            loops=self.loops,
+            terminal=self.terminal,
+            refresh_registry=self.refresh_registry,
+            stopping=lambda: self.draining,
+        )
         self.leases = LeaseManager(
             self.control_redis,
             self.keys,
             self.replica_id,
             settings.lease_ttl_ms,
             membership=self.membership,
-            on_acquire=self._on_acquire,
-            on_lose=self._on_lose,
-            on_master_acquire=lambda fence: self._lease_metric("master", "acquired"),
-            on_master_lose=lambda: self._lease_metric("master", "lost"),
+            on_acquire=self.ownership.on_acquire,
+            on_lose=self.ownership.on_lose,
+            on_master_acquire=lambda fence: lease_metric("master", "acquired"),
+            on_master_lose=lambda: lease_metric("master", "lost"),
             loops=self.loops,
         )
-        self.mirror = CacheMirror(
-            settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
-        )
-        self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
-        self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
+        self.ownership.leases = self.leases
         self.follower = MirrorFollower(
             redis_client(redis_url, socket_timeout=5.0),
             self.keys,
             self.mirror,
-            lambda: self.prefill_ids(),
+            self.views.prefill_ids,
             loops=self.loops,
         )
-        self.clients: dict[str, WorkerClient] = {}
-        self.pollers: dict[str, WorkerPoller] = {}
-        self.dispatchers: dict[str, OwnerDispatcher] = {}
-        self.tokenizer = load_tokenizer(settings.tokenizer)
-        self.formula = compile_formula(settings.prefill_time_formula or DEFAULT_PREFILL_FORMULA)
-        self.config_version = -1
-        self.tenant_limits: dict[str, Limits] = {}  # runtime config `tenant_limits` (app/security)
-        self.admission = settings.admission_config()
-        self.admission.validate()
-        # Built-in policies plus those declared in FLEXLB_POLICIES; the admin API validates names here.
-        self.policies = PolicyBook(settings.policies)
-        self.prefill_strategy = self._make_prefill(settings.prefill_strategy)
-        self.decode_strategy = self.policies.build(DECODE, settings.decode_strategy)
-        self.batcher_config = self._batching(BatcherConfig(), {})
-        self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
-        self.snapshot_time: dict[str, float] = {}
         self.reconciler = Reconciler(
             self.redis,
             self.keys,
             self.store,
             self.membership.live_members,
-            lambda: self.workers,
+            lambda: self.views.workers,
             forget_after_s=settings.reconcile_forget_s,
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
-        self.pipeline = Pipeline(self)
+        self.pipeline = Pipeline(
+            replica_id=self.replica_id,
+            settings=settings,
+            keys=self.keys,
+            store=self.store,
+            redis=self.redis,
+            fleet=self.views,
+            runtime=self.runtime,
+            mirror=self.mirror,
+            replies=self.replies,
+            terminal=self.terminal,
+            tokenizer=self.tokenizer,
+            wake_owner=self.ownership.wake,
+            health=lambda: (self.redis_ok, self.redis_reason),
+            accepting=lambda: self.accepting,
+        )
         self.notify = NotifyListener(
             redis_url, self.keys, self.replica_id, self.pipeline.cancel_local, self.loops
+        )
+        self.master = MasterDuties(
+            replica_id=self.replica_id,
+            settings=settings,
+            membership=self.membership,
+            leases=self.leases,
+            reconciler=self.reconciler,
+            loops=self.loops,
+            running=self._running,
+            cancel_local=self.pipeline.cancel_local,
+            prefill_ids=self.views.prefill_ids,
+            stopping=lambda: self.draining,
         )
         self.redis_ok = False
         self.redis_reason = "not connected yet"
@@ -156,15 +197,87 @@ class Replica:
         self._commands_exported = 0
         self._epoch_lock = asyncio.Lock()
 
-    # ---- views ---------------------------------------------------------------------------
+    # ---- the services' state, as the request path, the admin API and /status read it ----------
+    @property
+    def workers(self) -> dict[str, dict[str, str]]:
+        return self.views.workers
+
+    @property
+    def snapshots(self) -> dict[str, dict[str, str]]:
+        return self.views.snapshots
+
+    @property
+    def snapshot_time(self) -> dict[str, float]:
+        return self.views.snapshot_time
+
+    @property
+    def queued_overlay(self) -> dict[str, tuple[float, float]]:
+        return self.views.queued_overlay
+
+    @property
+    def clients(self) -> dict[str, WorkerClient]:
+        return self.views.clients
+
     def prefill_ids(self) -> list[str]:
-        return sorted(w for w, i in self.workers.items() if i.get("role") == "prefill")
+        return self.views.prefill_ids()
 
     def decode_ids(self) -> list[str]:
-        return sorted(w for w, i in self.workers.items() if i.get("role") == "decode")
+        return self.views.decode_ids()
 
     def worker_up(self, wid: str) -> bool:
-        return self.snapshots.get(wid, {}).get("health") == "up"
+        return self.views.worker_up(wid)
+
+    def client(self, wid: str) -> WorkerClient:
+        return self.views.client(wid)
+
+    @property
+    def formula(self) -> Formula:
+        return self.runtime.formula
+
+    @property
+    def policies(self) -> PolicyBook:
+        return self.runtime.policies
+
+    @property
+    def prefill_strategy(self) -> Policy:
+        return self.runtime.prefill_strategy
+
+    @property
+    def decode_strategy(self) -> Policy:
+        return self.runtime.decode_strategy
+
+    @property
+    def batcher_config(self) -> BatcherConfig:
+        return self.runtime.batcher_config
+
+    @property
+    def admission(self) -> AdmissionConfig:
+        return self.runtime.admission
+
+    @property
+    def tenant_limits(self) -> dict[str, Limits]:
+        return self.runtime.tenant_limits
+
+    @property
+    def config_version(self) -> int:
+        return self.runtime.version
+
+    @property
+    def pollers(self) -> dict[str, WorkerPoller]:
+        return self.ownership.pollers
+
+    @property
+    def dispatchers(self) -> dict[str, OwnerDispatcher]:
+        return self.ownership.dispatchers
+
+    def wake_owner(self, wid: str) -> None:
+        self.ownership.wake(wid)
+
+    async def settle_epoch(self, wid: str, old_epoch: str) -> None:
+        await self.ownership.settle_epoch(wid, old_epoch)
+
+    async def reap_origin(self, dead: str) -> int:
+        return await self.master.reap_origin(dead)
 
     def readiness(self) -> tuple[bool, list[str]]:
         reasons = []
@@ -179,58 +292,10 @@ class Replica:
         reasons += self.loops.problems()
         return not reasons, reasons
 
-    def client(self, wid: str) -> WorkerClient:
-        c = self.clients.get(wid)
-        if c is None:
-            addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr, secret=self.settings.worker_secret or "")
-        return c
-
-    def _make_prefill(self, name: str) -> Policy:
-        """Every prefill policy gets the formula, so its choice carries the predicted ms that the
-        hand-off adds to the worker's queued time, whatever the policy."""
-        return self.policies.build(PREFILL, name, self.formula)
-
-    def _batching(self, bc: BatcherConfig, cfg: dict[str, str]) -> BatcherConfig:
-        """The selected prefill policy's batching mode (a declared policy may name one) over the
-        runtime config's knobs, unless the runtime config sets the mode or algorithm itself."""
-        mode = self.prefill_strategy.batching
-        if mode is None or {"schedule_mode", "batch_algorithm"} & cfg.keys():
-            return bc
-        return batching_config(mode, bc.slo_ttft_ms, bc)
-
-    def wake_owner(self, wid: str) -> None:
-        """Origin and owner are the same replica: nothing to do beyond the XADD, which already
-        wakes the owner's blocked XREADGROUP on the same Redis."""
-        d = self.dispatchers.get(wid)
-        if d is not None:
-            d.wake.set()
-
     async def apply_runtime_config(self) -> None:
         """Admin changes are stored in Redis; every replica applies them when the version moves."""
-        raw = await self.redis.hgetall(self.keys.config)
-        cfg = {_s(k): _s(v) for k, v in raw.items()}
-        version = int(cfg.get("version", 0))
-        if version == self.config_version:
-            return
-        self.config_version = version
-        if "prefill_time_formula" in cfg:
-            self.formula = compile_formula(cfg["prefill_time_formula"])
-        self.prefill_strategy = self._make_prefill(
-            cfg.get("prefill_strategy", self.settings.prefill_strategy)
-        )
-        self.decode_strategy = self.policies.build(
-            DECODE, cfg.get("decode_strategy", self.settings.decode_strategy)
-        )
-        self.batcher_config = self._batching(batcher_config_from(cfg), cfg)
-        try:
-            self.tenant_limits = parse_tenant_limits(cfg.get("tenant_limits"))
-        except ValueError as exc:  # validated on write; keep the limits we have
-            log.error("runtime config tenant_limits ignored: %s", exc)
-        for d in self.dispatchers.values():
-            d.wake.set()  # apply the new knobs now, not at the batcher's next timer
-        if version:
-            log.info("runtime config v%d applied: %s", version, cfg)
+        if await self.runtime.refresh():
+            self.ownership.wake_all()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
@@ -249,7 +314,7 @@ class Replica:
         for name, coro in (
             ("redis_watch", self._redis_watch()),
             ("refresh", self._refresh_loop()),
-            ("master", self._master_loop()),
+            ("master", self.master.loop()),
         ):
             task = asyncio.create_task(coro, name=name)
             self.loops.watch(task, name)
@@ -285,7 +350,7 @@ class Replica:
             await asyncio.sleep(0.05)
         unfinished = len(self.pipeline.live)
         left = max(1.0, end - time.monotonic())
-        flushed = await asyncio.gather(*(d.drain(left) for d in list(self.dispatchers.values())))
+        flushed = await self.ownership.drain(left)
         out = {
             "requests_unfinished": unfinished,
             "batchers_left_pending": sum(1 for ok in flushed if not ok),
@@ -303,12 +368,7 @@ class Replica:
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks)  # never raises; a loop that died was reported by watch
-        for p in list(self.pollers.values()):
-            await _stop_poller(p)
-        self.pollers.clear()
-        for d in list(self.dispatchers.values()):
-            await d.stop()
-        self.dispatchers.clear()
+        await self.ownership.stop()
         await self.replies.stop()
         await self.notify.stop()
         await self.follower.stop()
@@ -328,101 +388,13 @@ class Replica:
                 await self.membership.stop()
         except TRANSIENT as exc:
             log.warning("leaving membership on stop failed (it expires by TTL): %r", exc)
-        for c in self.clients.values():
-            with contextlib.suppress(*TRANSIENT):
-                await c.close()
+        await self.views.close()
         for conn in (self.redis, self.follower.redis, self.control_redis):
             with contextlib.suppress(*TRANSIENT):
                 await conn.aclose()
         if self.fast_redis is not None:
             with contextlib.suppress(*TRANSIENT):
                 await self.fast_redis.close()
-
-    # ---- owner hooks ---------------------------------------------------------------------
-    def _lease_metric(self, kind: str, change: str) -> None:
-        M.LEASE_CHANGES.labels(kind, change).inc()
-        log.info("lease %s %s", kind, change)
-
-    async def _on_acquire(self, wid: str, fence: int) -> None:
-        self._lease_metric("owner", "acquired")
-        if wid in self.pollers or self.draining:
-            # Stopping: a peer that drained at the same moment released this lease to us; acting
-            # on it would start a poller after stop() stopped them. drain() releases it at once.
-            return
-        if wid not in self.workers:
-            await self.refresh_registry()
-        lease = self.leases._owned.get(wid)
-        poller = WorkerPoller(
-            wid,
-            self.client(wid),
-            self.redis,
-            self.keys,
-            self.store,
-            interval_ms=self.settings.poll_interval_ms,
-            deadline_ms=self.settings.poll_deadline_ms,
-            down_after=self.settings.down_after_failures,
-            # Not while stopping either: a cancel that lands inside a gRPC call comes back as an
-            # RPC error (grpc.aio swallows the CancelledError), so the poll loop would carry on
-            # and stop() would wait for it forever; this makes the loop end by itself.
-            is_valid=(lambda: not self.draining and lease.is_valid())
-            if lease is not None
-            else (lambda: not self.draining and wid in self.leases.owned()),
-            on_health=self._on_health,
-            on_status=self._audit,
-            loops=self.loops,
-            lease_value=(lambda: lease.value) if lease is not None else None,
-        )
-        self.pollers[wid] = poller
-        poller.start()
-        if self.workers.get(wid, {}).get("role") == "prefill" and lease is not None:
-            d = OwnerDispatcher(
-                wid,
-                self.replica_id,
-                lease,
-                self.store,
-                self.client(wid),
-                self.redis_url,
-                epoch=lambda: poller.health.epoch,
-                config=lambda: self.batcher_config,
-                formula=lambda: self.formula,
-                time_scale=lambda: float(self.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0),
-                on_worker_error=lambda w: None,
-                loops=self.loops,
-                terminal=self.terminal,
-            )
-            self.dispatchers[wid] = d
-            d.start()
-
-    async def _audit(self, wid: str, st: dict[str, Any]) -> None:
-        M.observe_worker_prefills(wid, st.get("finished") or [])
-        d = self.dispatchers.get(wid)
-        if d is not None:
-            await d.audit_ledger(st)
-
-    async def _on_lose(self, wid: str) -> None:
-        self._lease_metric("owner", "lost")
-        p = self.pollers.pop(wid, None)
-        if p is not None:
-            await _stop_poller(p)
-        d = self.dispatchers.pop(wid, None)
-        if d is not None:
-            await d.stop()
-
-    async def _on_health(self, wid: str, change: HealthChange) -> None:
-        M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
-        if change.epoch_changed:
-            M.WORKER_EPOCH_CHANGES.labels(wid).inc()
-            await self.settle_epoch(wid, change.old_epoch)
-
-    async def settle_epoch(self, wid: str, old_epoch: str) -> None:
-        """A worker restarted: whatever was committed to it under the old epoch will never
-        complete there. The batching work extends this to re-dispatch; here the ledger is cleared
-        so owed time does not count work that no longer exists."""
-        ledger = await self.store.read_ledger(wid)
-        for bid, entry in ledger.items():
-            if str(entry.get("epoch", old_epoch)) in (old_epoch, ""):
-                await self.store.settle_batch(wid, bid)
-        log.info("worker %s restarted (old epoch %s): settled %d batches", wid, old_epoch, len(ledger))
 
     # ---- loops ---------------------------------------------------------------------------
     async def check_cluster_epoch(self) -> None:
@@ -436,31 +408,10 @@ class Replica:
 
     async def refresh_registry(self) -> None:
         await self.check_cluster_epoch()
-        self.workers = await self.registry.list()
-        M.retain_workers(self.workers)  # series leave with their worker, whoever removed it
-        for wid in list(self.clients):
-            if wid not in self.workers:
-                with contextlib.suppress(*TRANSIENT):  # a removed worker's channel: just let go
-                    await self.clients.pop(wid).close()
-                M.remove_worker_series(wid)
+        await self.views.load_registry()
 
     async def refresh_snapshots(self) -> None:
-        ids = list(self.workers)
-        if not ids:
-            self.snapshots = {}
-            return
-        async with self.redis.pipeline(transaction=False) as p:
-            for wid in ids:
-                p.hgetall(self.keys.snapshot(wid))  # "_retired" rides along; nobody reads it
-            rows = await p.execute()
-        self.snapshots = {
-            wid: {_s(k): _s(v) for k, v in row.items()} for wid, row in zip(ids, rows, strict=True)
-        }
-        now = time.time()
-        for wid in ids:
-            self.snapshot_time[wid] = now
-        for wid, snap in self.snapshots.items():
-            M.export_worker_snapshot(wid, snap, self.mirror.size(wid))
+        await self.views.load_snapshots()
 
     async def _refresh_loop(self) -> None:
         interval = self.settings.poll_interval_ms / 1000
@@ -521,81 +472,8 @@ class Replica:
         await self.registry.add(specs)
         await self.membership.heartbeat_once()
         await self.redis.sadd(self.keys.replicas_seen, self.replica_id)
-        for p in self.pollers.values():
-            p.cache_version = None
-            p.since_seq = 0
-
-    async def _master_loop(self) -> None:
-        next_reconcile = next_sweep = 0.0
-        while not self.draining:
-            await asyncio.sleep(self.settings.heartbeat_ms / 1000)
-            if time.monotonic() >= next_sweep:  # every replica, for its own requests
-                next_sweep = time.monotonic() + self.settings.reconcile_interval_ms / 1000
-                try:
-                    await self.reconciler.sweep_own(
-                        self.replica_id, self._running, self.pipeline.cancel_local
-                    )
-                    self.loops.ok("sweep")
-                except Exception as exc:  # the next period retries; the sweep is idempotent
-                    self.loops.record("sweep", exc)
-            if not self.leases.is_master():
-                continue
-            try:
-                live = await self.membership.live_members()
-                M.LIVE_REPLICAS.set(len(live))
-                for dead in await self.membership.reap():
-                    await self.reap_origin(dead)
-                    M.REAPED_REPLICAS.inc()
-                    log.warning("reaped dead replica %s", dead)
-                if time.monotonic() >= next_reconcile:
-                    next_reconcile = time.monotonic() + self.settings.reconcile_interval_ms / 1000
-                    await self.reconciler.run_once()
-                self.loops.ok("master")
-            except Exception as exc:  # the next period retries; reaping is idempotent
-                self.loops.record("master", exc)
+        self.ownership.resync()
 
     def _running(self, rid: str) -> bool:
         """A request this replica still runs, or whose terminal write waits for Redis."""
         return rid in self.pipeline.live or self.terminal.pending(f"finish {rid}")
-
-    async def reap_origin(self, dead: str) -> int:
-        """DESIGN §6 "Dead origin": its clients' connections died with it, so each of its live
-        requests ends `owner_lost`, its hold is released and its queued prefill tombstoned (the
-        reconciler's step, run at once when the master reaps the replica)."""
-        return await self.reconciler.end_origin(dead, {}, self.prefill_ids())
-
-
-BATCHER_KEYS = {
-    "schedule_mode": ("mode", str),
-    "batch_algorithm": ("algorithm", str),
-    "batch_max_size": ("max_size", int),
-    "batch_wait_ms": ("wait_ms", float),
-    "max_inflight_batches": ("max_inflight_batches", int),
-    "predict_threshold_ms": ("predict_threshold_ms", float),
-    "max_batch_tokens": ("max_batch_tokens", int),
-    "slo_ttft_ms": ("slo_ttft_ms", float),
-}
-
-
-def batcher_config_from(cfg: dict[str, str]) -> BatcherConfig:
-    """The runtime config's batcher knobs over the defaults (validated; raises ValueError)."""
-    kw: dict[str, Any] = {}
-    for key, (name, typ) in BATCHER_KEYS.items():
-        if key in cfg:
-            kw[name] = typ(cfg[key])
-    bc = BatcherConfig(**kw)
-    bc.validate()
-    return bc
-
-
-async def _stop_poller(p: WorkerPoller) -> None:
-    """`WorkerPoller.stop()` cancels its loop once, and grpc.aio loses a cancel that lands inside a
-    call (it surfaces as an RPC error, which the poll counts as one more failure): the loop would
-    carry on and this await, in stop() or in a lease hook, would never return. Cancel again every
-    half second until the loop has ended."""
-    while True:
-        try:
-            await asyncio.wait_for(asyncio.shield(p.stop()), 0.5)
-            return
-        except TimeoutError:
-            continue

@@ -268,10 +268,13 @@ def _sampling_inputs(
     def values(name: str, default: float) -> list[float]:
         return [default if (s or {}).get(name) is None else float((s or {})[name]) for s in per_request]
 
+    # Seeds stay integers: through a float, a seed near 2**63 (a negative API seed folded into the
+    # engines' range) rounds up to 2**63 and overflows INT64 (the OpenAPI fuzz pass found a 500).
+    seeds = [-1 if (s or {}).get("seed") is None else int((s or {})["seed"]) for s in per_request]
     return [
         _inp(t_name, np.array(values("temperature", 0.0), dtype=np.float64), "FP64"),
         _inp(p_name, np.array(values("top_p", 1.0), dtype=np.float64), "FP64"),
-        _inp(s_name, np.array(values("seed", -1), dtype=np.int64), "INT64"),
+        _inp(s_name, np.array(seeds, dtype=np.int64), "INT64"),
     ]
 
 

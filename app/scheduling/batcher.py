@@ -24,13 +24,23 @@ converts them for a driver whose clock runs at the worker's time scale.
 - Every algorithm: an item marked `drop_late` whose deadline (`Pending.deadline_ms`, 0 = none)
   has passed while it waited fails typed (`deadline_exceeded`) instead of taking engine time
   from the others.
+- Priorities and fairness (`fixed_window`, `window`, `direct`; `slo` orders by deadline): what
+  waits is taken highest class first (`Pending.priority`, 0 bulk … 3 system); an item that has
+  waited `starvation_ms` counts in the highest class waiting, where it is its tenant's oldest
+  (so a `bulk` one behind a stream of `interactive` ones waits about that long, then goes with
+  the next batch its tenant gets: fairness between tenants holds); within a class, tenants take
+  turns by the slots they were given (start-time fair queueing: the tenant served least goes
+  next, one that joins starts level with the least-served waiting one, so nobody banks credit
+  while idle). One class and one tenant keep arrival order.
 - Never more than `max_inflight_batches` dispatched and unfinished. Packing skips what does not
   fit the token/KV budget (no head-of-line blocking); what can never fit fails at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from app.scheduling.formula import BatchItem
@@ -38,6 +48,7 @@ from app.scheduling.formula import BatchItem
 ALGORITHMS = ("fixed_window", "slo", "window")
 MODES = ("batch", "direct")
 REASONS = ("idle", "full", "timeout", "predict_threshold", "deadline", "direct", "window")
+DEFAULT_PRIORITY = 1  # `default` among bulk (0), default, interactive, system (3)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,7 @@ class BatcherConfig:
     max_batch_tokens: int = 131_072
     slo_ttft_ms: float = 3000.0
     guard_ms: float = 5.0
+    starvation_ms: float = 2000.0  # a waiting item joins the top waiting class after this; 0 = never
 
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -69,6 +81,8 @@ class BatcherConfig:
             raise ValueError("max_batch_tokens must be >= 1")
         if self.slo_ttft_ms <= 0 or self.guard_ms < 0:
             raise ValueError("slo_ttft_ms must be > 0 and guard_ms >= 0")
+        if not 0 <= self.starvation_ms <= 3_600_000:
+            raise ValueError("starvation_ms must be in [0, 3600000]")
 
     def scaled(self, time_scale: float) -> BatcherConfig:
         """Knobs in the driver's clock: modelled ms × time_scale."""
@@ -78,6 +92,7 @@ class BatcherConfig:
             predict_threshold_ms=self.predict_threshold_ms * time_scale,
             slo_ttft_ms=self.slo_ttft_ms * time_scale,
             guard_ms=self.guard_ms * time_scale,
+            starvation_ms=self.starvation_ms * time_scale,
         )
 
 
@@ -91,6 +106,8 @@ class Pending:
     payload: object = None
     deadline_ms: float = 0.0  # when its TTFT deadline passes, in the driver's clock; 0 = none
     drop_late: bool = False  # end it typed once the deadline passes (else it only caps batches)
+    priority: int = DEFAULT_PRIORITY  # class: 0 bulk, 1 default, 2 interactive, 3 system
+    tenant: str = ""  # fair shares are kept between tenants ("" without API keys: one tenant)
 
     @property
     def item(self) -> BatchItem:
@@ -120,6 +137,8 @@ class Batcher:
         # running one started: the predicted end of the worker's backlog (`window`).
         self._durations: list[float] = []
         self._busy_from = 0.0
+        # Slots each tenant with waiting items was given (fair sharing); see `fair_order`.
+        self.served: dict[str, float] = {}
 
     def add(self, p: Pending) -> None:
         self.pending.append(p)
@@ -154,6 +173,12 @@ class Batcher:
     # ---- the decision ---------------------------------------------------------------------
     def decide(self, now_ms: float, worker_busy: bool | None = None) -> Decision:
         """What to dispatch now. `worker_busy` defaults to "a batch of ours is in flight"."""
+        d = self._decide(now_ms, worker_busy)
+        for p in d.items:  # the slots given: what the fair order compares tenants by
+            self.served[p.tenant] = self.served.get(p.tenant, 0.0) + 1.0
+        return d
+
+    def _decide(self, now_ms: float, worker_busy: bool | None) -> Decision:
         c = self.config
         d = Decision()
         self._fail_impossible(d)
@@ -167,6 +192,8 @@ class Batcher:
                 d.wake_at_ms = min(late)
             return d
         busy = self.inflight > 0 if worker_busy is None else worker_busy
+        if c.algorithm != "slo" or c.mode == "direct":
+            self.pending = self.ordered(now_ms)
         if c.mode == "direct":
             d.items = [self.pending.pop(0)]
             d.reason = "direct"
@@ -192,6 +219,33 @@ class Batcher:
                 return d
             d.items = self._pack(self.pending)
         return d
+
+    def ordered(self, now_ms: float) -> list[Pending]:
+        """The waiting items in the order batches take them: class high to low, an item that has
+        waited `starvation_ms` counted in the highest class waiting (where, the oldest of its
+        tenant's, it goes next for that tenant); within a class the tenants' fair order, each
+        tenant's items by arrival. One class and one tenant: as queued."""
+        pend = self.pending
+        tenants = {p.tenant for p in pend}
+        self._level(tenants)
+        levels = {p.priority for p in pend}
+        if len(levels) <= 1 and len(tenants) <= 1:
+            return pend
+        top, bound = max(levels), self.config.starvation_ms
+        classes = [top if bound and now_ms - p.arrival_ms >= bound else p.priority for p in pend]
+        out: list[Pending] = []
+        for cls in sorted(set(classes), reverse=True):
+            out += fair_order([p for p, k in zip(pend, classes, strict=True) if k == cls], self.served)
+        return out
+
+    def _level(self, waiting: set[str]) -> None:
+        """Forget tenants with nothing waiting; one that (re)joins starts at the least-served
+        waiting tenant's count, so slots it did not ask for are not owed to it later."""
+        for t in [t for t in self.served if t not in waiting]:
+            del self.served[t]
+        floor = min(self.served.values(), default=0.0)
+        for t in waiting:
+            self.served.setdefault(t, floor)
 
     def _pack(self, candidates: list[Pending], take: bool = True) -> list[Pending]:
         """First-come order, skipping what does not fit the remaining budget (skip-not-block)."""
@@ -324,3 +378,24 @@ class Batcher:
         d.items = packed
         d.reason = "deadline" if busy else "idle"
         return d
+
+
+def fair_order(items: Iterable[Pending], served: dict[str, float]) -> list[Pending]:
+    """Items of one class in the order that shares slots fairly between tenants: repeatedly the
+    next item of the tenant with the fewest slots so far (`served`, plus those ordered ahead
+    here), ties to the earlier arrival; each tenant's items in arrival order."""
+    queues: dict[str, deque[Pending]] = {}
+    for p in sorted(items, key=lambda p: p.arrival_ms):
+        queues.setdefault(p.tenant, deque()).append(p)
+    if len(queues) <= 1:
+        return [p for q in queues.values() for p in q]
+    heap = [(served.get(t, 0.0), q[0].arrival_ms, t) for t, q in queues.items()]
+    heapq.heapify(heap)
+    out: list[Pending] = []
+    while heap:  # O(n log tenants)
+        given, _, t = heapq.heappop(heap)
+        q = queues[t]
+        out.append(q.popleft())
+        if q:
+            heapq.heappush(heap, (given + 1.0, q[0].arrival_ms, t))
+    return out

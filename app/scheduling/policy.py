@@ -2,7 +2,8 @@
 
 A policy is data (`PolicyDef`); `PolicyBook` holds the built-in ones (the strategies FlexLB has
 always had, expressed with plugins and giving the same decisions) plus any declared in the settings
-(``FLEXLB_POLICIES``, JSON); `Policy` is one built instance, with its own picker state, that the
+(``FLEXLB_POLICIES``, JSON) or at runtime (``PUT /admin/config`` ``policies``, stored in Redis and
+applied by every replica: `runtime_book`); `Policy` is one built instance, with its own picker state, that the
 gateway and the simulator call per request. A declared policy looks like::
 
     {"cost_sticky": {"role": "prefill",
@@ -25,6 +26,7 @@ sorted by id, so a scored choice depends on the set of workers, not on the order
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -49,6 +51,7 @@ __all__ = [
     "batching_config",
     "make_decode_policy",
     "make_prefill_policy",
+    "runtime_book",
 ]
 
 ROLES = (PREFILL, DECODE)
@@ -348,6 +351,27 @@ class PolicyBook:
             "policies": {role: {n: self.get(role, n).describe() for n in self.names(role)} for role in ROLES},
             "plugins": plugins,
         }
+
+
+def runtime_book(
+    declared: Mapping[str, Mapping[str, Any]], runtime: Mapping[str, Any] | str | None
+) -> PolicyBook:
+    """The policies a replica runs: built-in, those declared in the settings (``FLEXLB_POLICIES``)
+    and those declared at runtime (the runtime config's ``policies``: an object, or its JSON text as
+    stored in Redis by ``PUT /admin/config``). A runtime policy replaces a settings-declared one of
+    the same name; neither may take a built-in's. ValueError names what is wrong."""
+    if runtime is None or runtime == "":
+        extra: Any = {}
+    elif isinstance(runtime, str):
+        try:
+            extra = json.loads(runtime)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"policies: not JSON ({exc.msg})") from None
+    else:
+        extra = runtime
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"policies: expected an object (name → policy), got {type(extra).__name__}")
+    return PolicyBook({**declared, **extra})
 
 
 def _probe_formula() -> Formula:

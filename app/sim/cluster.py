@@ -38,7 +38,8 @@ own ranking, which cannot go stale between refreshes because decode views only c
 policy that finds no eligible candidate is retried over the whole fleet.
 
 Modules: this one holds the event loop, the owners and the workers; `app/sim/replica.py` a replica's
-views, policies and shortlists; `app/sim/outcome.py` the per-request state and records.
+views, policies and shortlists; `app/sim/polls.py` the owners' polls; `app/sim/outcome.py` the
+per-request state and records.
 """
 
 from __future__ import annotations
@@ -57,13 +58,10 @@ from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.reserve import OutputLengthEstimator
-from app.scheduling.routing import (
-    DecodeQuery,
-    NoWorker,
-    PrefillQuery,
-)
+from app.scheduling.routing import DecodeQuery, NoWorker
 from app.sim.config import SimConfig
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
+from app.sim.polls import poll_owners
 from app.sim.replica import SimReplica
 from app.traces.model import Trace
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
@@ -200,7 +198,7 @@ class ClusterSim:
         for r in self.trace.requests:
             self._push(r.arrival_ms, _ARRIVAL, r.index)
         # The stack is up and polled before the first request, as after `flexlb up`.
-        self._poll()
+        poll_owners(self)
         for rep in self.replicas:
             rep.refresh(self.now, self.p_pub, self.p_pub_ver, self.d_pub, self.d_pub_ver)
         self._push(cfg.poll_interval_ms, _POLL)
@@ -228,7 +226,7 @@ class ClusterSim:
                 self._decode_effects(a, self.deng[a].advance_to(t))
                 self._resched_d(a)
             elif kind == _HANDOFF:
-                b.arrival_ms = t  # the owner stamps its read, as the live one does
+                b.arrival_ms = t  # the owner stamps its read, as the live one does (`admit`)
                 self.batchers[a].add(b)
                 self._decide(a)
             elif kind == _TIMER:
@@ -241,7 +239,7 @@ class ClusterSim:
                 self._resched_p(a)
                 self._decide(a)
             elif kind == _POLL:
-                self._poll()
+                poll_owners(self)
                 self._push(t + cfg.poll_interval_ms, _POLL)
             elif kind == _REFRESH:
                 rep = self.replicas[a]
@@ -295,20 +293,20 @@ class ClusterSim:
             st.decode = d
             st.reserved = need
         keys = self.trace.full_block_keys(tr)
-        hits = self.mirror.match_fast(keys, self.now, rep.spec) if keys else {}
-        q = PrefillQuery(size, hits, self.bs)
+        rep.age(self.now)  # the live origin ages owed ms read by its hand-offs per request
+        q = rep.prefill_query(size, keys, self.now)
         try:
             if rep.peer is not None:
                 waiting = {self.pids[j]: n for j, n in enumerate(self.queue_items)}
                 choice = rep.peer.choose(keys, q, rep.pviews, rep.rng, waiting)
             else:
-                choice = rep.choose_prefill(q, hits)
+                choice = rep.choose_prefill(q)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
         if self.cfg.fresh_pick and rep.peer is None and rep.pstrat.name == "cost":
-            choice = self._fresh_pick(rep, q, choice)
+            choice = rep.fresh_pick(q, choice, self._live_load)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
@@ -336,7 +334,7 @@ class ClusterSim:
         self.queue_items[w] += 1
         self.p_dirty[w] = True
         rep.overlay[w] = (self.queued_ms[w], self.now)
-        rep.fresh_owed[w] = (self._live_load(w) - self.queued_ms[w], self.now)  # the script's read
+        rep.note_fresh_owed(w, self._live_load(w) - self.queued_ms[w], self.now)  # the script's read
         cap = hit_blocks_cap(size, self.bs)
         if keys:
             rep.spec.add(choice.worker_id, keys[: max(cap, 0) + 1], self.now)
@@ -363,22 +361,6 @@ class ClusterSim:
         queued ms, including every replica's hand-offs since the last snapshot."""
         ledger = self.ledger[w].values()
         return owed_ms(((pred, start) for pred, start, _left in ledger), self.now) + self.queued_ms[w]
-
-    def _fresh_pick(self, rep: SimReplica, q: PrefillQuery, choice: Any) -> Any:
-        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
-        the strategy's pick and its runner-up by this replica's possibly stale view are compared
-        on the shared state as a hand-off script would read it, and the request goes where it is
-        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
-        views = [v for v in rep.pviews if v.id != choice.worker_id]
-        try:
-            alt = rep.pstrat.choose(q, views, rep.rng)
-        except NoWorker:
-            return choice
-        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
-        ca = choice.predicted_ms + self._live_load(a)
-        cb = alt.predicted_ms + self._live_load(b)
-        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
-        return alt if cb < ca - tie else choice
 
     # ---- owner: batcher decisions and dispatch ---------------------------------------------
     def _decide(self, w: int) -> None:
@@ -525,43 +507,3 @@ class ClusterSim:
         st.done = True
         self._release_reservation(st)
         self.done += 1
-
-    # ---- owners' polls and replicas' refreshes ----------------------------------------------
-    def _poll(self) -> None:
-        now = self.now
-        for w, eng in enumerate(self.peng):
-            ledger = self.ledger[w]
-            if not self.p_dirty[w] and not ledger:
-                continue
-            self.p_dirty[w] = False
-            kv = eng.kv_view()
-            owed = owed_ms(((pred, start) for pred, start, _left in ledger.values()), now)
-            queued_batches = sum(1 for b in eng.live_view() if b["phase"] == "queued")
-            snap = (
-                kv["kv_total_tokens"],
-                kv["kv_free_tokens"],
-                kv["kv_evictable_tokens"],
-                queued_batches,
-                round(self.queued_ms[w], 3),
-                round(owed, 3),
-                now,
-            )
-            if snap[:6] != self.p_pub[w][:6]:
-                self.p_pub[w] = snap
-                self.p_pub_ver[w] += 1
-            else:
-                self.p_pub[w] = snap  # same load; only the anchor time moves
-            diff = eng.cache_diff(self.cache_version[w])
-            if diff.full or diff.added or diff.removed or self.cache_version[w] is None:
-                self.mirror.apply_diff(self.pids[w], "sim", diff.version, diff.added, diff.removed, diff.full)
-            self.cache_version[w] = diff.version
-        for d, deng in enumerate(self.deng):
-            if not self.d_dirty[d]:
-                continue
-            self.d_dirty[d] = False
-            kv = deng.kv_view()
-            running = len(deng.live_view()["running"])
-            dsnap = (kv["kv_total_tokens"], kv["kv_free_tokens"], self.reserved[d], running)
-            if dsnap != self.d_pub[d]:
-                self.d_pub[d] = dsnap
-                self.d_pub_ver[d] += 1

@@ -8,6 +8,7 @@ shortlists are the simulator's own speed-up and are described in `app/sim/cluste
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from app.cache.mirror import SpecIndex
@@ -39,6 +40,7 @@ class SimReplica:
         self.pids = sim.pids
         self.dids = sim.dids
         self.pindex = sim.pindex
+        self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
         # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
@@ -52,6 +54,7 @@ class SimReplica:
         self.snap_time = -1.0
         self.overlay: dict[int, tuple[float, float]] = {}
         self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
+        self.aging: dict[int, float] = {}  # worker → when its fresh owed ms reaches 0
         self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
         self.spec = SpecIndex(cfg.speculative_ttl_ms, cfg.speculative_max_entries)
         self.pviews: list[WorkerView] = []
@@ -62,8 +65,15 @@ class SimReplica:
         self.dband: list[int] | None = None
         self.band_rng = random.Random(f"{cfg.seed}:band:{idx}")
 
-    def choose_prefill(self, q: PrefillQuery, hits: dict[str, int]) -> Choice:
+    def prefill_query(self, size: int, keys: Sequence[int], now: float) -> PrefillQuery:
+        """The prompt as the prefill policy sees it, as `Pipeline.choose_prefill` builds it: hits
+        from the mirror's `match_fast` with this replica's speculative entries."""
+        hits = self.mirror.match_fast(keys, now, self.spec) if keys else {}
+        return PrefillQuery(size, hits, self.bs)
+
+    def choose_prefill(self, q: PrefillQuery) -> Choice:
         """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
+        hits = q.hit_blocks
         cfg = self.cfg
         views = self.pviews
         n = len(views)
@@ -85,6 +95,22 @@ class SimReplica:
             return self.pstrat.choose(q, cands, self.rng)
         except NoWorker:
             return self.pstrat.choose(q, views, self.rng)
+
+    def fresh_pick(self, q: PrefillQuery, choice: Choice, live_load: Callable[[int], float]) -> Choice:
+        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
+        the strategy's pick and its runner-up by this replica's possibly stale view are compared
+        on the shared state as a hand-off script would read it, and the request goes where it is
+        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
+        views = [v for v in self.pviews if v.id != choice.worker_id]
+        try:
+            alt = self.pstrat.choose(q, views, self.rng)
+        except NoWorker:
+            return choice
+        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
+        ca = choice.predicted_ms + live_load(a)
+        cb = alt.predicted_ms + live_load(b)
+        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
+        return alt if cb < ca - tie else choice
 
     def _refresh_pool(self) -> None:
         self.routed_since_pool = 0
@@ -156,6 +182,7 @@ class SimReplica:
         changed = set(self.overlay)  # the refresh makes every overlay older than the snapshot
         self.overlay.clear()
         self.fresh_owed.clear()
+        self.aging.clear()
         for w, ver in enumerate(p_pub_ver):
             if ver != self.p_seen[w]:
                 self.p_seen[w] = ver
@@ -177,6 +204,21 @@ class SimReplica:
             self.dpool = None
         self.pool = None
         self.spec.expire(now)
+
+    def note_fresh_owed(self, w: int, owed_ms: float, now: float) -> None:
+        """The ledger's owed ms as our hand-off's round trip read it (the live `owed_overlay`)."""
+        self.fresh_owed[w] = (owed_ms, now)
+        if owed_ms > 0:
+            self.aging[w] = now + owed_ms
+
+    def age(self, now: float) -> None:
+        """Rebuild the views whose fresh owed ms are still running down: the live origin ages them
+        per request (`current_loads`), where this replica otherwise rebuilds a view only when its
+        inputs change."""
+        for w, until in list(self.aging.items()):
+            self.pviews[w] = self.pview(w, now)
+            if until <= now:
+                del self.aging[w]
 
     def pview(self, w: int, now: float) -> WorkerView:
         """`Pipeline.views("prefill")` for one worker, from this replica's copy of the snapshot."""

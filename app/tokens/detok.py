@@ -22,7 +22,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from app.tokens.tokenizer import REPLACEMENT, ByteTokenizer, Tokenizer, _as_int_list, _known_id
+from app.tokens.tokenizer import REPLACEMENT, ByteTokenizer, Tokenizer, as_int_list, known_id
 
 _Utf8Decoder = codecs.getincrementaldecoder("utf-8")
 _MAX_BACKOFF = 4
@@ -69,7 +69,7 @@ class IncrementalDetokenizer:
     # -- byte tokenizer -------------------------------------------------------------------------
 
     def _feed_bytes(self, ids: Sequence[int]) -> str:
-        ids = _as_int_list(ids)
+        ids = as_int_list(ids)
         try:
             data = bytes(ids)
         except (ValueError, TypeError, OverflowError):
@@ -82,7 +82,7 @@ class IncrementalDetokenizer:
         parts: list[str] = []
         run = bytearray()
         for tok in ids:
-            value = _known_id(tok, 256)
+            value = known_id(tok, 256)
             if value is not None:
                 run.append(value)
                 continue
@@ -96,7 +96,7 @@ class IncrementalDetokenizer:
     # -- any tokenizer --------------------------------------------------------------------------
 
     def _feed_generic(self, ids: Sequence[int]) -> str:
-        self._ids.extend(_as_int_list(ids))
+        self._ids.extend(as_int_list(ids))
         if len(self._ids) == self._read:
             return ""
         decode = self.tokenizer.decode

@@ -49,7 +49,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-def _as_int_list(ids: Sequence[int]) -> Sequence[int]:
+def as_int_list(ids: Sequence[int]) -> Sequence[int]:
     """NumPy arrays (token ids arrive as INT32 tensors) expose `tolist`; `bytes(ndarray)` would
     silently return the array's raw memory instead of one byte per id."""
     tolist = getattr(ids, "tolist", None)
@@ -83,7 +83,7 @@ class ByteTokenizer:
             return list(_sanitize_surrogates(text).encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = _as_int_list(ids)
+        ids = as_int_list(ids)
         try:
             return bytes(ids).decode("utf-8", errors="replace")
         except (ValueError, TypeError, OverflowError):
@@ -95,7 +95,7 @@ class ByteTokenizer:
         parts: list[str] = []
         run = bytearray()
         for tok in ids:
-            value = _known_id(tok, 256)
+            value = known_id(tok, 256)
             if value is not None:
                 run.append(value)
                 continue
@@ -111,7 +111,7 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
-def _known_id(tok: object, vocab_size: int) -> int | None:
+def known_id(tok: object, vocab_size: int) -> int | None:
     """`tok` as an int when it is an integer id inside the vocabulary, else None (floats, strings
     and out-of-range ids are unknown, never truncated or wrapped into a valid id)."""
     try:
@@ -172,7 +172,7 @@ class HFTokenizer:
             return list(self._tok.encode(_sanitize_surrogates(text), add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        ids = list(_as_int_list(ids))
+        ids = list(as_int_list(ids))
         n = self.vocab_size
         if all(type(t) is int and 0 <= t < n for t in ids):
             return str(self._tok.decode(ids, skip_special_tokens=False))
@@ -180,7 +180,7 @@ class HFTokenizer:
         parts: list[str] = []
         run: list[int] = []
         for tok in ids:
-            value = _known_id(tok, n)
+            value = known_id(tok, n)
             if value is not None:
                 run.append(value)
                 continue

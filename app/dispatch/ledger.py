@@ -1,0 +1,104 @@
+"""The owner's ledger bookkeeping besides the commit itself: the audit that settles what no reply
+will (settle-on-reply's backstop, DESIGN §7) and taking refused items' predicted ms off the worker's
+queued ms.
+
+A mixin of `OwnerDispatcher` (app/dispatch/owner.py), like `OwnerClaims`: it uses the dispatcher's
+lease, store and in-flight batches, and keeps the dispatcher under ~500 lines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from app import metrics as M
+from app.dispatch.items import QueueItem
+from app.state.retry import TRANSIENT
+from app.state.store import FencedOut
+
+if TYPE_CHECKING:
+    from app.cluster.leases import Lease
+    from app.state.store import StateStore
+
+log = logging.getLogger("flexlb.owner")
+
+
+class OwnerLedger:
+    wid: str
+    replica_id: str
+    lease: Lease
+    store: StateStore
+    _finished_seen: dict[str, float]
+    _last_audit: float
+    _batch_sizes: dict[str, int]
+
+    async def audit_ledger(
+        self, st: dict[str, Any], grace_ms: float = 2000.0, ttl_ms: float = 300_000.0
+    ) -> dict[str, int]:
+        """Backstop for settle-on-reply (DESIGN §7, lesson 3), run on the owner's status polls.
+
+        A ledger batch that this owner is not dispatching, that the worker no longer holds (not
+        queued, not running) and that was committed more than `grace_ms` ago will never be answered
+        by a reply: it is settled here, counted by how we know — `record` (the worker reported it
+        finished), `missed` (history rolled over, or the reply path died). A batch older than
+        `ttl_ms` whatever its state is settled as `ttl`; that counter staying 0 is the proof the
+        other paths are complete."""
+        now = time.time() * 1000
+        seen = self._finished_seen
+        for r in st.get("finished", []):
+            seen.setdefault(str(r.get("batch_id", "")), now)  # first sighting: insertion order = age
+        # A batch first seen finished more than `ttl_ms` ago was committed even earlier, so the
+        # audit settles it as `ttl` whatever this says: forget it (this dict otherwise filled up to
+        # its 20,000 cap for half an hour of soak, growing the gateway's RSS all the while).
+        while seen and (next(iter(seen.values())) < now - ttl_ms or len(seen) > 20_000):
+            del seen[next(iter(seen))]
+        if now - self._last_audit < 1000 or not self.lease.is_valid():
+            return {}
+        self._last_audit = now
+        ledger = await self.store.read_ledger(self.wid)
+        on_worker = {str(b.get("batch_id")) for b in st.get("live", [])}
+        epoch = str(st.get("epoch", ""))
+        counts: dict[str, int] = {}
+        for bid, entry in ledger.items():
+            age = now - float(entry.get("start_ms", now))
+            if age > ttl_ms:
+                path = "ttl"
+            elif bid in self._batch_sizes or bid in on_worker or age < grace_ms:
+                continue
+            elif entry.get("epoch") and str(entry["epoch"]) != epoch:
+                continue  # an older epoch's batch: settled by the epoch change (settle_epoch)
+            else:
+                path = "record" if bid in self._finished_seen else "missed"
+            n = await self.store.settle_batch(self.wid, bid)
+            if n:
+                counts[path] = counts.get(path, 0) + n
+                M.LEDGER_LATE_SETTLED.labels(path).inc(n)
+                log.warning("owner %s: settled %d members of batch %s late (%s)", self.wid, n, bid, path)
+        return counts
+
+    async def _take_refused(self, items: list[QueueItem]) -> None:
+        """Items the batcher refused leave the queue without a batch: their predicted ms come
+        off the worker's queued_ms, or the worker looks busier forever (issue 14). Done by the
+        fenced commit script with no members under a fresh id — it takes `take_ms` once, only for
+        the lease holder, and writes no ledger entry. A failure here is repaired by the
+        reconciler, which recomputes queued_ms from the queue."""
+        take = sum(i.predicted_ms for i in items)
+        if take <= 0:
+            return
+        try:
+            await self.store.commit_batch(
+                self.wid,
+                f"r-{uuid.uuid4().hex[:16]}",
+                [],
+                0.0,
+                time.time() * 1000,
+                self.lease.fence,
+                self.replica_id,
+                take_ms=take,
+            )
+        except FencedOut:
+            return
+        except TRANSIENT as exc:
+            log.warning("owner %s: taking %.1f refused ms off queued_ms failed: %s", self.wid, take, exc)

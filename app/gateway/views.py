@@ -1,0 +1,91 @@
+"""This replica's copy of the cluster's workers: the registry (id → role, address, state), each
+worker's latest owner snapshot, and the origin's own overlays on them (the queued ms its last
+hand-off there returned). What routing reads per request (`Pipeline.views`); refreshed from Redis
+by the replica's refresh loop; also the gRPC clients to the workers, one per worker."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import redis.asyncio as aioredis
+
+from app import metrics as M
+from app.cache.mirror import CacheMirror
+from app.cluster.registry import Registry
+from app.rpc.worker_client import WorkerClient
+from app.state.keys import Keys
+from app.state.retry import TRANSIENT
+from app.state.text import to_str as _s
+
+__all__ = ["WorkerViews"]
+
+
+class WorkerViews:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        keys: Keys,
+        registry: Registry,
+        mirror: CacheMirror,
+        worker_secret: str = "",
+    ) -> None:
+        self._worker_secret = worker_secret  # the workers' control secret (FLEXLB_WORKER_SECRET)
+        self._redis = redis
+        self._keys = keys
+        self._registry = registry
+        self._mirror = mirror  # only for the snapshot metrics (blocks mirrored per worker)
+        self.workers: dict[str, dict[str, str]] = {}  # local copy of the registry
+        self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
+        self.snapshot_time: dict[str, float] = {}  # wall s each snapshot was read
+        self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
+        self.clients: dict[str, WorkerClient] = {}
+
+    def prefill_ids(self) -> list[str]:
+        return sorted(w for w, i in self.workers.items() if i.get("role") == "prefill")
+
+    def decode_ids(self) -> list[str]:
+        return sorted(w for w, i in self.workers.items() if i.get("role") == "decode")
+
+    def worker_up(self, wid: str) -> bool:
+        return self.snapshots.get(wid, {}).get("health") == "up"
+
+    def client(self, wid: str) -> WorkerClient:
+        c = self.clients.get(wid)
+        if c is None:
+            addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
+            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret)
+        return c
+
+    async def load_registry(self) -> None:
+        """The registry from Redis; a removed worker's client and metric series go with it."""
+        self.workers = await self._registry.list()
+        M.retain_workers(self.workers)  # series leave with their worker, whoever removed it
+        for wid in list(self.clients):
+            if wid not in self.workers:
+                with contextlib.suppress(*TRANSIENT):  # a removed worker's channel: just let go
+                    await self.clients.pop(wid).close()
+                M.remove_worker_series(wid)
+
+    async def load_snapshots(self) -> None:
+        ids = list(self.workers)
+        if not ids:
+            self.snapshots = {}
+            return
+        async with self._redis.pipeline(transaction=False) as p:
+            for wid in ids:
+                p.hgetall(self._keys.snapshot(wid))  # "_retired" rides along; nobody reads it
+            rows = await p.execute()
+        self.snapshots = {
+            wid: {_s(k): _s(v) for k, v in row.items()} for wid, row in zip(ids, rows, strict=True)
+        }
+        now = time.time()
+        for wid in ids:
+            self.snapshot_time[wid] = now
+        for wid, snap in self.snapshots.items():
+            M.export_worker_snapshot(wid, snap, self._mirror.size(wid))
+
+    async def close(self) -> None:
+        for c in self.clients.values():
+            with contextlib.suppress(*TRANSIENT):
+                await c.close()
