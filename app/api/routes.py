@@ -4,30 +4,27 @@ first byte ends with an SSE error event, never a silent close."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
+from app.api.streaming import collect, guarded, relay, sse, sse_error, stored_or_error, stream_response
 from app.dispatch.items import level_of
 from app.gateway.errors import ApiError, check_token_ids
-from app.request.pipeline import TERMINAL, GenRequest, StoredOutcome
+from app.request.pipeline import TERMINAL, GenRequest
 from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, trace_id_from, valid_request_id
 from app.security.tenants import path_id, public_id, scoped_id, tenant_of
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
 
 router = APIRouter()
-T = TypeVar("T")
 
 
 def _replica(request: Request) -> Any:
@@ -93,136 +90,6 @@ async def models(request: Request) -> dict[str, Any]:
         "object": "list",
         "data": [{"id": r.settings.model, "object": "model", "created": 0, "owned_by": "flexlb"}],
     }
-
-
-# ---- running a request ----------------------------------------------------------------------
-async def _disconnected(request: Request) -> None:
-    """Return when the client goes away. The body was read already, so the next ASGI message the
-    server delivers is `http.disconnect`."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except Exception:  # this connection cannot be watched: never report it gone
-        await asyncio.Event().wait()
-
-
-async def _guarded(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` in a task of its own while watching the client's connection.
-
-    The pipeline registers the task it runs in as the request's (`Pipeline.live`), so a cancel
-    from any replica (`DELETE /v1/requests/{id}`) cancels that task, never this handler: the
-    client still gets a typed `cancelled` answer instead of the server's bare 500. A client that
-    disconnects before the answer (non-streaming, or a stream before its first byte: queued or in
-    prefill) cancels the task, and the pipeline's clean-up removes the queued request, cancels the
-    engine's work and releases every hold. Uvicorn would otherwise run it to the end for no one.
-    """
-    task: asyncio.Future[T] = asyncio.ensure_future(work)
-    watch = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():  # the client went away, or this handler itself is being cancelled
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-    if not task.cancelled():
-        return task.result()
-    if watch.done() and not watch.cancelled():
-        raise ApiError("cancelled", "client disconnected")
-    raise ApiError("cancelled", "request cancelled")
-
-
-async def _collect(r: Any, req: GenRequest) -> dict[str, Any]:
-    try:
-        async for kind, payload in r.pipeline.run(req):
-            if kind == "end":
-                return payload  # type: ignore[no-any-return]
-    except StoredOutcome as so:
-        return _stored(so.outcome)
-    raise ApiError("internal", "request ended without an outcome")
-
-
-def _stored(outcome: dict[str, Any]) -> dict[str, Any]:
-    """The stored outcome of a finished request as the answer to a retry of its id: the result
-    when it completed, else its typed error. Records written before errors were objects carry a
-    plain string; the state then names the code (`owner_lost`), never a 500."""
-    state = str(outcome.get("state", ""))
-    if state != "completed":
-        err = outcome.get("error") or {}
-        if not isinstance(err, dict):
-            err = {"message": str(err)}
-        default_code = {
-            "owner_lost": "owner_lost",
-            "timed_out": "deadline_exceeded",
-            "cancelled": "cancelled",
-        }
-        raise ApiError(
-            str(err.get("code") or default_code.get(state, "worker_error")),
-            str(err.get("message") or f"request ended {state}"),
-        )
-    return outcome
-
-
-async def _relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
-    """Run the request in its own task feeding a bounded buffer: the client's reading pace never
-    stalls the engine stream, and a client that stops reading (buffer full too long) is cancelled
-    instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
-    q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
-    stall = r.settings.sse_stall_timeout_s
-    leaving = False  # set when this generator ends: nobody reads `q` any more
-
-    def last(ev: tuple[str, Any]) -> None:
-        """The final event always fits: tokens still buffered for a request that ends in an
-        error are dropped rather than leaving the reader waiting forever."""
-        while q.full():
-            q.get_nowait()
-        q.put_nowait(ev)
-
-    async def produce() -> None:
-        try:
-            # aclosing: leaving early (stalled client, cancel) runs the pipeline's clean-up now,
-            # not whenever the suspended generator is garbage-collected.
-            async with contextlib.aclosing(r.pipeline.run(req)) as events:
-                async for ev in events:
-                    # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands as the put
-                    # completes, and a DELETE of a streaming request was then lost for good.
-                    async with asyncio.timeout(stall):
-                        await q.put(ev)
-        except StoredOutcome as so:
-            last(("stored", so.outcome))
-        except ApiError as err:
-            last(("error", err))
-        except TimeoutError:
-            last(("error", ApiError("cancelled", "client stopped reading")))
-        except asyncio.CancelledError:
-            if not leaving:  # cancelled by `DELETE /v1/requests/{id}`, not by our reader leaving
-                last(("error", ApiError("cancelled", "request cancelled")))
-            raise
-        except Exception:  # pipeline already logged it
-            last(("error", ApiError("internal", "internal error")))
-
-    task = asyncio.create_task(produce())
-    try:
-        while True:
-            kind, payload = await q.get()
-            yield kind, payload
-            if kind in ("end", "error", "stored"):
-                return
-    finally:
-        leaving = True
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-
-
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-def _sse_error(err: ApiError) -> bytes:
-    return _sse(err.body())
 
 
 def _usage(o: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +181,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     cid = f"cmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
-        o = await _guarded(request, _collect(r, req))
+        o = await guarded(request, collect(r, req))
         return {
             "id": cid,
             "object": "text_completion",
@@ -336,7 +203,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return {"text": text, "logprobs": None}
 
     gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece, stops)
-    return await _stream_response(request, gen)
+    return await stream_response(request, gen)
 
 
 async def _openai_stream(
@@ -359,9 +226,9 @@ async def _openai_stream(
 
     def chunk(part: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, **part, "finish_reason": finish}
-        return _sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
+        return sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
-    async for kind, payload in _relay(r, req):
+    async for kind, payload in relay(r, req):
         if kind == "first":
             yield chunk(piece(stop.feed(detok.feed([payload])), "first"))
         elif kind == "tokens":
@@ -369,9 +236,9 @@ async def _openai_stream(
             if t:
                 yield chunk(piece(t, "more"))
         elif kind in ("end", "stored"):
-            o = payload if kind == "end" else _stored_or_error(payload)
+            o = payload if kind == "end" else stored_or_error(payload)
             if isinstance(o, ApiError):
-                yield _sse_error(o)
+                yield sse_error(o)
                 break
             if kind == "stored":
                 yield chunk(piece(stop.feed(_text(r, o["output_ids"])), "first"))
@@ -379,37 +246,11 @@ async def _openai_stream(
             yield chunk(piece(tail, "last"), o["finish_reason"] or "length")
             if include_usage:
                 usage = {"id": cid, "object": obj, "created": created, "model": model, "choices": []}
-                yield _sse({**usage, "usage": _usage(o)})
+                yield sse({**usage, "usage": _usage(o)})
         elif kind == "error":
-            yield _sse_error(payload)
+            yield sse_error(payload)
             break
     yield b"data: [DONE]\n\n"
-
-
-def _stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
-    try:
-        return _stored(outcome)
-    except ApiError as e:
-        return e
-
-
-async def _stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
-    """Pull the first chunk before answering 200, so errors before any token (validation,
-    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event. The
-    wait covers queueing and prefill, so a client that leaves meanwhile cancels the request."""
-    first = await _guarded(request, gen.__anext__())
-    if first.startswith(b'data: {"error"'):
-        err = json.loads(first[6:])["error"]
-        with contextlib.suppress(Exception):
-            await gen.aclose()
-        raise ApiError(err["code"], err["message"])
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for b in gen:
-            yield b
-
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 # ---- OpenAI chat -------------------------------------------------------------------------------
@@ -445,7 +286,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     cid = f"chatcmpl-{public_id(req.request_id)}"
     created = int(time.time())
     if not body.stream:
-        o = await _guarded(request, _collect(r, req))
+        o = await guarded(request, collect(r, req))
         return {
             "id": cid,
             "object": "chat.completion",
@@ -471,7 +312,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         return {"delta": {"content": text} if text or where != "last" else {}}
 
     gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece, stops)
-    return await _stream_response(request, gen)
+    return await stream_response(request, gen)
 
 
 # ---- native ------------------------------------------------------------------------------------
@@ -516,13 +357,13 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     )
     req.sampling = sampling_of(body)
     if not body.stream:
-        return _native(r, await _guarded(request, _collect(r, req)))
+        return _native(r, await guarded(request, collect(r, req)))
 
     async def gen() -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(r.tokenizer)
-        async for kind, payload in _relay(r, req):
+        async for kind, payload in relay(r, req):
             if kind == "first":
-                yield _sse(
+                yield sse(
                     {
                         "request_id": public_id(req.request_id),
                         "token_ids": [payload],
@@ -530,7 +371,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                     }
                 )
             elif kind == "tokens":
-                yield _sse(
+                yield sse(
                     {
                         "request_id": public_id(req.request_id),
                         "token_ids": payload,
@@ -538,17 +379,17 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                     }
                 )
             elif kind in ("end", "stored"):
-                o = payload if kind == "end" else _stored_or_error(payload)
+                o = payload if kind == "end" else stored_or_error(payload)
                 if isinstance(o, ApiError):
-                    yield _sse_error(o)
+                    yield sse_error(o)
                     break
-                yield _sse({**_native(r, o), "text_tail": detok.flush(), "done": True})
+                yield sse({**_native(r, o), "text_tail": detok.flush(), "done": True})
             elif kind == "error":
-                yield _sse_error(payload)
+                yield sse_error(payload)
                 break
         yield b"data: [DONE]\n\n"
 
-    return await _stream_response(request, gen())
+    return await stream_response(request, gen())
 
 
 # ---- request status and cancel -----------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""Running a request for the API handlers: awaiting it while watching the client's connection,
+relaying its events through a bounded buffer, and the SSE framing of the streamed answer.
+
+Split out of `app.api.routes` (issue #18: modules <= ~500 lines); the handlers there build the
+request and shape the answer, this module only runs it and carries its events to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from app.gateway.errors import ApiError
+from app.request.pipeline import GenRequest, StoredOutcome
+
+T = TypeVar("T")
+
+
+# ---- running a request ----------------------------------------------------------------------
+async def disconnected(request: Request) -> None:
+    """Return when the client goes away. The body was read already, so the next ASGI message the
+    server delivers is `http.disconnect`."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # this connection cannot be watched: never report it gone
+        await asyncio.Event().wait()
+
+
+async def guarded(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in a task of its own while watching the client's connection.
+
+    The pipeline registers the task it runs in as the request's (`Pipeline.live`), so a cancel
+    from any replica (`DELETE /v1/requests/{id}`) cancels that task, never this handler: the
+    client still gets a typed `cancelled` answer instead of the server's bare 500. A client that
+    disconnects before the answer (non-streaming, or a stream before its first byte: queued or in
+    prefill) cancels the task, and the pipeline's clean-up removes the queued request, cancels the
+    engine's work and releases every hold. Uvicorn would otherwise run it to the end for no one.
+    """
+    task: asyncio.Future[T] = asyncio.ensure_future(work)
+    watch = asyncio.create_task(disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():  # the client went away, or this handler itself is being cancelled
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if not task.cancelled():
+        return task.result()
+    if watch.done() and not watch.cancelled():
+        raise ApiError("cancelled", "client disconnected")
+    raise ApiError("cancelled", "request cancelled")
+
+
+async def collect(r: Any, req: GenRequest) -> dict[str, Any]:
+    try:
+        async for kind, payload in r.pipeline.run(req):
+            if kind == "end":
+                return payload  # type: ignore[no-any-return]
+    except StoredOutcome as so:
+        return stored(so.outcome)
+    raise ApiError("internal", "request ended without an outcome")
+
+
+def stored(outcome: dict[str, Any]) -> dict[str, Any]:
+    """The stored outcome of a finished request as the answer to a retry of its id: the result
+    when it completed, else its typed error. Records written before errors were objects carry a
+    plain string; the state then names the code (`owner_lost`), never a 500."""
+    state = str(outcome.get("state", ""))
+    if state != "completed":
+        err = outcome.get("error") or {}
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+        default_code = {
+            "owner_lost": "owner_lost",
+            "timed_out": "deadline_exceeded",
+            "cancelled": "cancelled",
+        }
+        raise ApiError(
+            str(err.get("code") or default_code.get(state, "worker_error")),
+            str(err.get("message") or f"request ended {state}"),
+        )
+    return outcome
+
+
+async def relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
+    """Run the request in its own task feeding a bounded buffer: the client's reading pace never
+    stalls the engine stream, and a client that stops reading (buffer full too long) is cancelled
+    instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
+    q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
+    stall = r.settings.sse_stall_timeout_s
+    leaving = False  # set when this generator ends: nobody reads `q` any more
+
+    def last(ev: tuple[str, Any]) -> None:
+        """The final event always fits: tokens still buffered for a request that ends in an
+        error are dropped rather than leaving the reader waiting forever."""
+        while q.full():
+            q.get_nowait()
+        q.put_nowait(ev)
+
+    async def produce() -> None:
+        try:
+            # aclosing: leaving early (stalled client, cancel) runs the pipeline's clean-up now,
+            # not whenever the suspended generator is garbage-collected.
+            async with contextlib.aclosing(r.pipeline.run(req)) as events:
+                async for ev in events:
+                    # Not asyncio.wait_for: on 3.11 it swallows a cancel that lands as the put
+                    # completes, and a DELETE of a streaming request was then lost for good.
+                    async with asyncio.timeout(stall):
+                        await q.put(ev)
+        except StoredOutcome as so:
+            last(("stored", so.outcome))
+        except ApiError as err:
+            last(("error", err))
+        except TimeoutError:
+            last(("error", ApiError("cancelled", "client stopped reading")))
+        except asyncio.CancelledError:
+            if not leaving:  # cancelled by `DELETE /v1/requests/{id}`, not by our reader leaving
+                last(("error", ApiError("cancelled", "request cancelled")))
+            raise
+        except Exception:  # pipeline already logged it
+            last(("error", ApiError("internal", "internal error")))
+
+    task = asyncio.create_task(produce())
+    try:
+        while True:
+            kind, payload = await q.get()
+            yield kind, payload
+            if kind in ("end", "error", "stored"):
+                return
+    finally:
+        leaving = True
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+def sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def sse_error(err: ApiError) -> bytes:
+    return sse(err.body())
+
+
+def stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
+    try:
+        return stored(outcome)
+    except ApiError as e:
+        return e
+
+
+async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
+    """Pull the first chunk before answering 200, so errors before any token (validation,
+    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event. The
+    wait covers queueing and prefill, so a client that leaves meanwhile cancels the request."""
+    first = await guarded(request, gen.__anext__())
+    if first.startswith(b'data: {"error"'):
+        err = json.loads(first[6:])["error"]
+        with contextlib.suppress(Exception):
+            await gen.aclose()
+        raise ApiError(err["code"], err["message"])
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for b in gen:
+            yield b
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
