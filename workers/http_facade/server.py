@@ -44,33 +44,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from app.protocol.blocks import block_keys
 from app.protocol.codes import EngineStatus
-from app.tokens.tokenizer import ByteTokenizer
 from workers.engine.decode import DecodeRequest
 from workers.engine.effects import PrefillResult
 from workers.engine.prefill import PrefillRequest
+from workers.http_facade import wire
+from workers.http_facade.wire import TOK, KvInfo
 from workers.server.runner import Subscriber
 from workers.server.service import WorkerConfig, WorkerService
 
 log = logging.getLogger("flexlb.facade")
-TOK = ByteTokenizer()
 MAX_INFLIGHT_BATCHES = 2
 KV_WAIT_S = 600.0
-
-
-@dataclass
-class KvInfo:
-    """What a decode server learns about a prefilled request (the facade's stand-in for KV)."""
-
-    request_id: str
-    input_tokens: int
-    cached_tokens: int
-    first_token: int
-    prefill_worker: str
-    status: str = EngineStatus.OK
-    error: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
 
 
 @dataclass
@@ -192,34 +176,6 @@ class Facade:
                 svc.runner.call_sync(lambda: svc._route(svc._core_d().cancel(rid, svc.runner.model_now())))
 
 
-# ---- request parsing ------------------------------------------------------------------------
-def _prompt_ids(body: dict[str, Any]) -> list[int]:
-    for k in ("input_ids", "prompt_token_ids"):
-        if isinstance(body.get(k), list):
-            return [int(x) for x in body[k]]
-    p = body.get("prompt", body.get("text"))
-    if isinstance(p, list):
-        p = p[0] if p and isinstance(p[0], str) else None if p and isinstance(p[0], list) else p
-        if isinstance(p, list):
-            return [int(x) for x in p]
-    if not isinstance(p, str) or not p:
-        raise ValueError("need a non-empty prompt/text or input_ids")
-    return TOK.encode(p)
-
-
-def _max_new(body: dict[str, Any]) -> int:
-    sp = body.get("sampling_params") or {}
-    for v in (sp.get("max_new_tokens"), body.get("max_tokens"), body.get("max_completion_tokens")):
-        if v is not None:
-            return max(1, int(v))
-    return 16
-
-
-def _rid(body: dict[str, Any], request: Request) -> str:
-    rid = body.get("rid") or body.get("request_id") or request.headers.get("x-request-id")
-    return str(rid) if rid else uuid.uuid4().hex
-
-
 def create_app(f: Facade) -> FastAPI:
     app = FastAPI()
     role = f.svc.cfg.role
@@ -300,11 +256,11 @@ def create_app(f: Facade) -> FastAPI:
     async def handle(request: Request, openai: bool) -> Response:
         body = await request.json()
         try:
-            ids = _prompt_ids(body)
+            ids = wire.prompt_ids(body)
         except (ValueError, TypeError) as exc:
             return JSONResponse({"error": {"message": str(exc), "code": "invalid_request"}}, status_code=400)
-        rid = _rid(body, request)
-        max_new = _max_new(body)
+        rid = wire.rid(body, request)
+        max_new = wire.max_new(body)
         stream = bool(body.get("stream"))
         f.served += 1
         t0 = time.time()
@@ -350,20 +306,20 @@ async def _serve_prefill(
         "tp_size": 1,
     }
     text = TOK.decode([res.first_token])
-    usage = _usage(len(ids), 1, res.cached_tokens, f.name, None)
+    usage = wire.usage(len(ids), 1, res.cached_tokens, f.name, None)
     if openai:
-        doc = _completion(rid, f.model, text, "length", t0) | {"usage": usage, "kv_transfer_params": ktp}
+        doc = wire.completion(rid, f.model, text, "length", t0) | {"usage": usage, "kv_transfer_params": ktp}
     else:
         doc = {
             "text": text,
             "output_ids": [res.first_token],
-            "meta_info": _meta(rid, len(ids), 1, res.cached_tokens),
+            "meta_info": wire.meta(rid, len(ids), 1, res.cached_tokens),
         }
     if not stream:
         return JSONResponse(doc)
 
     async def one() -> AsyncIterator[bytes]:
-        yield _sse(doc)
+        yield wire.sse(doc)
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(one(), media_type="text/event-stream")
@@ -416,14 +372,16 @@ async def _serve_decode(
                 out.extend(toks)
         except RuntimeError as exc:
             return JSONResponse({"error": {"message": str(exc), "code": "engine_error"}}, status_code=500)
-        usage = _usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
+        usage = wire.usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
         if openai:
-            return JSONResponse(_completion(rid, f.model, TOK.decode(out), "length", t0) | {"usage": usage})
+            return JSONResponse(
+                wire.completion(rid, f.model, TOK.decode(out), "length", t0) | {"usage": usage}
+            )
         return JSONResponse(
             {
                 "text": TOK.decode(out),
                 "output_ids": out,
-                "meta_info": _meta(rid, len(ids), len(out), kv.cached_tokens),
+                "meta_info": wire.meta(rid, len(ids), len(out), kv.cached_tokens),
             }
         )
 
@@ -433,58 +391,28 @@ async def _serve_decode(
             async for toks in gen:
                 out.extend(toks)
                 if openai:
-                    yield _sse(_completion(rid, f.model, TOK.decode(toks), None, t0, chunk=True))
+                    yield wire.sse(wire.completion(rid, f.model, TOK.decode(toks), None, t0, chunk=True))
                 else:
-                    yield _sse(
+                    yield wire.sse(
                         {
                             "text": TOK.decode(out),
                             "output_ids": toks,
-                            "meta_info": _meta(rid, len(ids), len(out), kv.cached_tokens),
+                            "meta_info": wire.meta(rid, len(ids), len(out), kv.cached_tokens),
                         }
                     )
         except RuntimeError as exc:
-            yield _sse({"error": {"message": str(exc), "code": "engine_error"}})
+            yield wire.sse({"error": {"message": str(exc), "code": "engine_error"}})
             return
         if openai:
-            yield _sse(_completion(rid, f.model, "", "length", t0, chunk=True))
+            yield wire.sse(wire.completion(rid, f.model, "", "length", t0, chunk=True))
             if include_usage:
-                usage = _usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
-                yield _sse(
-                    _completion(rid, f.model, "", None, t0, chunk=True) | {"choices": [], "usage": usage}
+                usage = wire.usage(len(ids), len(out), kv.cached_tokens, kv.prefill_worker, f.name)
+                yield wire.sse(
+                    wire.completion(rid, f.model, "", None, t0, chunk=True) | {"choices": [], "usage": usage}
                 )
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _sse(obj: Any) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-def _usage(n_in: int, n_out: int, cached: int, prefill: str | None, decode: str | None) -> dict[str, Any]:
-    return {
-        "prompt_tokens": n_in,
-        "completion_tokens": n_out,
-        "total_tokens": n_in + n_out,
-        "prompt_tokens_details": {"cached_tokens": cached},
-        "flexlb_workers": {"prefill": prefill, "decode": decode},
-    }
-
-
-def _meta(rid: str, n_in: int, n_out: int, cached: int) -> dict[str, Any]:
-    return {"id": rid, "prompt_tokens": n_in, "completion_tokens": n_out, "cached_tokens": cached}
-
-
-def _completion(
-    rid: str, model: str, text: str, finish: str | None, t0: float, chunk: bool = False
-) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{rid}",
-        "object": "text_completion",
-        "created": int(t0),
-        "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
-    }
 
 
 def _listen(host: str, port: int) -> socket.socket:
