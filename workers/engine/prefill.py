@@ -15,7 +15,6 @@ import heapq
 import random
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from app.protocol.blocks import hit_blocks_cap
@@ -24,56 +23,10 @@ from app.scheduling.formula import BatchItem
 
 from .effects import BatchDone, BatchStarted, Effect, ExitRequested, KvReleased, PrefillResult
 from .faults import Faults
+from .prefill_state import INF, Batch, Member, Pinned, PrefillRequest, SubmitOutcome
 from .prefix_cache import CacheDiff, PrefixCache
 from .profiles import EngineProfile
 from .tokens import output_tokens
-
-INF = float("inf")
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillRequest:
-    request_id: str
-    input_tokens: int
-    block_keys: tuple[int, ...] = ()  # keys of the prompt's full blocks, in order
-
-
-@dataclass(slots=True)
-class _Member:
-    req: PrefillRequest
-    cached_tokens: int = 0
-    hit_keys: tuple[int, ...] = ()
-    done: bool = False
-
-
-@dataclass(slots=True)
-class _Batch:
-    batch_id: str
-    members: dict[str, _Member]
-    submitted_ms: float
-    phase: str = "queued"  # queued | running | done
-    start_ms: float = 0.0
-    end_ms: float = INF
-    predicted_ms: float = 0.0
-    compute_tokens: int = 0
-
-
-@dataclass(slots=True)
-class _Pinned:
-    """KV of a prefilled request kept until the decode side fetched it or the handle expired."""
-
-    keys: list[int]
-    outside_tokens: int
-    expiry_ms: float
-
-
-@dataclass(frozen=True)
-class SubmitOutcome:
-    accepted: bool
-    duplicate: bool
-    queue_position: int
-    effects: list[Effect] = field(default_factory=list)
-    error: str = ""
 
 
 class PrefillEngine:
@@ -102,12 +55,12 @@ class PrefillEngine:
         self.seq = 0
         self.batches_done = 0
         self._rng = random.Random(seed)
-        self._queue: deque[_Batch] = deque()
-        self._running: _Batch | None = None
-        self._batches: OrderedDict[str, _Batch] = OrderedDict()  # every known batch id (bounded)
+        self._queue: deque[Batch] = deque()
+        self._running: Batch | None = None
+        self._batches: OrderedDict[str, Batch] = OrderedDict()  # every known batch id (bounded)
         self._req_batch: dict[str, str] = {}  # live request id -> batch id
         self._held = 0
-        self._pinned: dict[str, _Pinned] = {}
+        self._pinned: dict[str, Pinned] = {}
         # (expiry, request id) of every pin, popped lazily once its pin is gone or was replaced, and
         # the pinned tokens held outside the cache: so the next expiry and the KV view cost O(1)
         # instead of a pass over every pinned request (the simulator asks after every event).
@@ -137,7 +90,7 @@ class PrefillEngine:
             )
         if not requests:
             return SubmitOutcome(False, False, -1, effects, EngineStatus.INVALID)
-        members: dict[str, _Member] = {}
+        members: dict[str, Member] = {}
         limit = min(self.capacity, self.profile.max_context_tokens)
         for r in requests:
             status, err = EngineStatus.OK, ""
@@ -152,10 +105,10 @@ class PrefillEngine:
             elif self._tombstoned(r.request_id):
                 status, err = EngineStatus.CANCELLED, "cancelled before arrival"
             if status is EngineStatus.OK:
-                members[r.request_id] = _Member(r)
+                members[r.request_id] = Member(r)
             else:
                 effects.append(self._finish(batch_id, r.request_id, status, r.input_tokens, err))
-        b = _Batch(batch_id, members, now)
+        b = Batch(batch_id, members, now)
         self._remember_batch(b)
         if not members:
             b.phase = "done"
@@ -346,7 +299,7 @@ class PrefillEngine:
         return list(self._pinned)
 
     # ---- internals -----------------------------------------------------------------------
-    def _position(self, b: _Batch) -> int:
+    def _position(self, b: Batch) -> int:
         if b is self._running:
             return 0
         for i, q in enumerate(self._queue):
@@ -354,7 +307,7 @@ class PrefillEngine:
                 return i + (1 if self._running else 0)
         return -1
 
-    def _remember_batch(self, b: _Batch) -> None:
+    def _remember_batch(self, b: Batch) -> None:
         self._batches[b.batch_id] = b
         while len(self._batches) > self.history_limit * 2:
             old_id, old = next(iter(self._batches.items()))
@@ -371,7 +324,7 @@ class PrefillEngine:
             del self._tombstones[k]
         return exp is not None and exp > self.now
 
-    def _predict(self, b: _Batch) -> float:
+    def _predict(self, b: Batch) -> float:
         items = []
         for m in b.members.values():
             if m.done:
@@ -421,7 +374,7 @@ class PrefillEngine:
             effects.append(BatchStarted(b.batch_id, self.now, b.predicted_ms))
         return effects
 
-    def _complete(self, b: _Batch) -> list[Effect]:
+    def _complete(self, b: Batch) -> list[Effect]:
         effects: list[Effect] = []
         self._running = None
         self._held -= b.compute_tokens
@@ -450,7 +403,7 @@ class PrefillEngine:
             outside = m.req.input_tokens - len(present) * self.block_size
             self._held += outside
             expiry = self.now + self.kv_handle_ttl_ms
-            self._pinned[rid] = _Pinned(present, outside, expiry)
+            self._pinned[rid] = Pinned(present, outside, expiry)
             self._pinned_outside += outside
             heapq.heappush(self._pin_heap, (expiry, rid))
             effects.append(
@@ -476,7 +429,7 @@ class PrefillEngine:
             effects.append(ExitRequested(self.now))
         return effects
 
-    def _cancel_member(self, b: _Batch, rid: str) -> list[Effect]:
+    def _cancel_member(self, b: Batch, rid: str) -> list[Effect]:
         m = b.members.get(rid)
         if m is None or m.done:
             return []
