@@ -10,6 +10,7 @@ from app.scheduling.accounting import EngineTimeline
 from app.scheduling.batcher import BatcherConfig, Pending
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig
+from app.sim.polls import poll_owners
 from app.traces import synthetic_trace
 
 
@@ -61,7 +62,7 @@ def test_sim_ledger_owes_batch_prediction_from_the_engine_start() -> None:
     assert [e[0] for e in entries] == pytest.approx([pred, pred])
     sim.now = 10.0
     sim.p_dirty[0] = True
-    sim._poll()
+    poll_owners(sim)
     owed = sim.p_pub[0][5]
     # first batch started at 0 and has 10 ms behind it; the second has not started: owes it all
     started = entries[0][1]
