@@ -82,11 +82,25 @@ class Endings(RequestContext):
         self._observe(req, p, err.code)
         if p.stage in ("new", "done"):
             return
-        # Shielded so a second cancel cannot cut the clean-up short. It raises nothing it can
-        # name: state writes that fail are queued for retry, engine cancels that fail are logged
-        # (the engine ends streams whose consumer vanished, and KV handles expire). Anything else
-        # is a bug and must surface, not be swallowed around a state change.
-        await asyncio.shield(self._abort_inner(req, p, state, err))
+        # Shielded so a second cancel cannot cut the clean-up short, and awaited to its end even
+        # then: the request stays in `live` until its terminal write is done or queued, or the
+        # origin's own sweep would see a non-terminal record nobody runs and end it `failed`
+        # under the clean-up's feet (a DELETE's notify and the sweep of the cancel set both
+        # cancel the task). It raises nothing it can name: state writes that fail are queued for
+        # retry, engine cancels that fail are logged (the engine ends streams whose consumer
+        # vanished, and KV handles expire). Anything else is a bug and must surface.
+        inner = asyncio.ensure_future(self._abort_inner(req, p, state, err))
+        interrupted = False
+        while True:
+            try:
+                await asyncio.shield(inner)
+                break
+            except asyncio.CancelledError:
+                if inner.done():
+                    break
+                interrupted = True
+        if interrupted:
+            raise asyncio.CancelledError
 
     async def _abort_inner(self, req: GenRequest, p: Progress, state: str, err: ApiError) -> None:
         rid = req.request_id
