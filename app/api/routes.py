@@ -126,7 +126,8 @@ async def _prepare(
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
     timeout = _timeout(r, timeout_ms)
-    await request.app.state.tenants.admit(request, rid, len(ids) + max_new, timeout)
+    # the tenant's limits: checked in the request's first round trip (app/security/ratelimit.py)
+    limit = request.app.state.tenants.check(request, len(ids) + max_new, timeout)
     stop = TokenStop(r.tokenizer, stops) if stops else None
     return GenRequest(
         rid,
@@ -140,6 +141,7 @@ async def _prepare(
         user=user or "",
         deadline_ms=deadline,
         priority=level_of(request.scope.get("state", {}).get("priority")),  # set by ConcurrencyCap
+        limit=limit,
     )
 
 

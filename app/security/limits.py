@@ -113,8 +113,8 @@ class BodyLimit:
             await _send_error(send, 413, "request_too_large", "invalid_request_error", message)
 
 
-#: Paths whose POSTs run a generation: the ones the per-replica cap counts.
-_CAPPED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
+#: Paths whose POSTs run a generation: the ones the per-replica cap and the tenant buckets count.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
 #: Priority classes, lowest first (`x-flexlb-priority`), and the share of the replica's cap each
 #: may fill: under overload the lower classes are refused first, and `system` always has room
 #: the others cannot take.
@@ -148,7 +148,7 @@ class ConcurrencyCap:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_CAPPED_PREFIXES):
+        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
