@@ -219,6 +219,12 @@ def test_under_overload_lower_priority_classes_are_refused_first(sec: Sec) -> No
         assert gen(plain, "system").status_code == 429  # lowered to interactive: no grant
         bad = gen(plain, "urgent")
         assert bad.status_code == 400 and "x-flexlb-priority" in bad.json()["error"]["message"]
+        # the body's `priority` counts like the header: in at the door as `system`, it asks for
+        # `bulk` and must fit bulk's share too
+        body = {"prompt": "hi", "priority": "bulk"}
+        headers = {"Authorization": f"Bearer {ops}", "x-flexlb-priority": "system"}
+        low = httpx.post(sec.b.url + "/v1/generate", json=body, headers=headers, timeout=20)
+        assert low.status_code == 429 and "'bulk'" in low.json()["error"]["message"], low.text
     finally:
         held.close()
     wait_for(lambda: gen(plain, "bulk").status_code == 200, 5, what="the slot freed by the disconnect")
