@@ -199,9 +199,10 @@ class Limiter:
 
     A slot is given back lazily: `release()` only notes the request id; the tenant's next
     admission on this replica removes it in the same script (no command of its own), and a flush
-    `RELEASE_DELAY_S` later removes what no admission took (one ZREM per tenant per interval).
-    Measured with bench/tenant_limits.py: per request, +1 command with a concurrency limit instead
-    of +2. The price: a finished request may count against its tenant for up to that delay.
+    `RELEASE_DELAY_S` later removes what no admission took (one ZREM per tenant per interval:
+    the few hundredths of a command per request a limited tenant costs beyond its gate, when
+    its requests come spaced wider than the delay). The price: a finished request may count
+    against its tenant for up to that delay.
     """
 
     RELEASE_DELAY_S = 0.1
