@@ -363,6 +363,11 @@ def test_a_refused_client_id_leaves_no_record(sec: Sec) -> None:
     key = sec.add_key("once", rps=1)
     sec.limits_applied()
     assert sec.gen(sec.a, key).status_code == 200
+    # that took the bucket's last request token: replica a now refuses the tenant at the door,
+    # before reading the body (a malformed one gets 429, not 400) and without calling Redis
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    door = httpx.post(sec.a.url + "/v1/generate", content=b"{not json", headers=auth, timeout=5)
+    assert door.status_code == 429 and door.json()["error"]["code"] == "rate_limited", door.text
     rid = f"refused-{uuid.uuid4().hex[:6]}"
     over = sec.gen(sec.b, key, rid=rid)
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limited"

@@ -48,7 +48,7 @@ log = logging.getLogger("flexlb.security")
 # KEYS[1] bucket HASH {r, k, t}; KEYS[2] in-flight ZSET rid → hold-until ms.
 # ARGV: rps, tpm, max_concurrent, cost tokens, request id, timeout ms, ended request ids...
 # → {allowed 0|1, reason, retry_ms, remaining_requests, reset_requests_ms, remaining_tokens,
-#    reset_tokens_ms, in_flight}
+#    reset_tokens_ms, in_flight, next_request_ms (0: a request token is there now)}
 # The ended ids (ARGV[7..]) are this replica's finished requests whose slots it has not given back
 # yet: removed first, so a release rides on the next admission instead of costing a command.
 LIMIT = """
@@ -104,7 +104,9 @@ redis.call('PEXPIRE', KEYS[1], 120000)
 local reset_r, reset_k = 0, 0
 if rps > 0 then reset_r = math.ceil((rps - r) * 1000 / rps) end
 if tpm > 0 then reset_k = math.ceil((tpm - k) * 60000 / tpm) end
-return {ok, reason, wait, math.floor(r), reset_r, math.floor(k), reset_k, inflight}
+local next_r = 0
+if rps > 0 and r < 1 then next_r = math.ceil((1 - r) * 1000 / rps) end
+return {ok, reason, wait, math.floor(r), reset_r, math.floor(k), reset_k, inflight, next_r}
 """
 
 
@@ -184,6 +186,9 @@ class Verdict:
     retry_after_ms: int
     headers: list[tuple[bytes, bytes]]
     holds_slot: bool  # took a concurrency slot that must be given back when the request ends
+    # ms until the bucket holds a whole request token again (0: it does now): no request of the
+    # tenant can pass anywhere before, since replicas only take from the bucket
+    next_request_ms: int = 0
 
 
 def _duration(ms: int) -> str:
@@ -251,7 +256,8 @@ class Limiter:
                 (b"x-ratelimit-remaining-tokens", str(max(rem_k, 0)).encode()),
                 (b"x-ratelimit-reset-tokens", _duration(reset_k).encode()),
             ]
-        verdict = Verdict(ok == 1, reason, wait, headers, ok == 1 and lim.max_concurrent > 0)
+        next_ms = int(v[8]) if len(v) > 8 else 0
+        verdict = Verdict(ok == 1, reason, wait, headers, ok == 1 and lim.max_concurrent > 0, next_ms)
         return verdict, list(res[1:])
 
     async def admit(self, tenant: str, lim: Limits, rid: str, cost: int, timeout_ms: int) -> Verdict:

@@ -121,21 +121,27 @@ class Tenants:
             return None
         return LimitCheck(self, tenant, lim, cost, timeout_ms, request.scope.setdefault("state", {}))
 
-    def settle(self, check: LimitCheck, v: Verdict) -> None:
+    def settle(self, check: LimitCheck, v: Verdict, sent: float) -> None:
         """Leave the verdict's `x-ratelimit-*` headers and concurrency slot in the request's state
-        for `TenantGate`; raise 429 `rate_limited` (with `Retry-After`) when refused."""
+        for `TenantGate`; raise 429 `rate_limited` (with `Retry-After`) when refused.
+
+        When the bucket has no whole request token left (this request took the last, or was
+        refused for want of one), the tenant's generations are refused at the door until one
+        refills: a flooding tenant's excess then costs a replica the HTTP parsing only, never a
+        tokenisation, a routing or a Redis call. The window counts from `sent` (monotonic, when
+        the script was sent: it ran later), so it never outlasts the server's."""
         tenant, lim = check.tenant, check.limits
         check.state["ratelimit_headers"] = v.headers
         if v.holds_slot:
             check.state["slot"] = (tenant, check.rid)
+        if v.next_request_ms > 0:
+            self._refused[tenant] = (sent + v.next_request_ms / 1000, v.headers)
         if v.allowed:
             return
         retry_s = max(1.0, v.retry_after_ms / 1000)
         # Sent by `TenantGate` too: a stream's error before its first byte is re-raised from its
         # SSE body, which has no Retry-After of its own (it would say the generic 1 s).
         check.state["ratelimit_headers"] = [*v.headers, (b"retry-after", str(round(retry_s)).encode())]
-        if v.reason == "requests":  # no request of this tenant can pass before then: say so here
-            self._refused[tenant] = (time.monotonic() + v.retry_after_ms / 1000, v.headers)
         M.RATE_LIMITED.labels(v.reason or "requests").inc()
         what = {
             "requests": f"{lim.rps:g} requests/s",
@@ -165,10 +171,11 @@ class LimitCheck:
         """The check, then `cmds` only when it passed; their replies. A refusal raises 429 and
         leaves Redis as it was (but for the bucket's refill)."""
         self.rid = rid
+        sent = time.monotonic()
         v, replies = await self.tenants.limiter.run(
             self.tenant, self.limits, rid, self.cost, self.timeout_ms, cmds
         )
-        self.tenants.settle(self, v)
+        self.tenants.settle(self, v, sent)
         return replies
 
 
