@@ -143,10 +143,39 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def refusal_cost(gw: Gateway, n: int = 400) -> dict[str, Any]:
+    """What one request costs the gateway (CPU ms, Redis commands), admitted vs refused at the
+    door: `n` sequential requests each of a tenant without limits and of one whose bucket is empty
+    (0.01 req/s: every request after the first is refused at the door). CPU time, not wall time,
+    so a loaded box inflates it little."""
+    free, shut = add_key(gw, "cost-free"), add_key(gw, "cost-shut", rps=0.01)
+    time.sleep(0.5)
+    out: dict[str, Any] = {}
+    body = {"prompt": PROMPT, "max_new_tokens": 2, "deadline_ms": 60_000}
+    with httpx.Client(base_url=gw.url, timeout=30) as client:
+        for label, key in (("admitted", free), ("refused", shut)):
+            headers = {"Authorization": f"Bearer {key}"}
+            client.post("/v1/generate", json=body, headers=headers)  # warm-up; takes shut's token
+            t0, cpu0, c0 = time.monotonic(), _cpu_s(gw.proc.pid), commands(gw)
+            codes: dict[int, int] = {}
+            for _ in range(n):
+                res = client.post("/v1/generate", json=body, headers=headers)
+                codes[res.status_code] = codes.get(res.status_code, 0) + 1
+            wall = time.monotonic() - t0
+            out[label] = {
+                "codes": codes,
+                "gateway_cpu_ms_per_req": round((_cpu_s(gw.proc.pid) - cpu0) * 1000 / n, 2),
+                "redis_cmds_per_req": round((commands(gw) - c0) / n, 2),  # idle loops included
+                "wall_s": round(wall, 1),
+            }
+    return out
+
+
 def overload_phase(gw: Gateway, limit: float, seconds: float) -> dict[str, Any]:
     calm, hog = add_key(gw, "calm", rps=limit), add_key(gw, "hog", rps=limit)
     time.sleep(0.5)  # runtime config applied (poll interval 200 ms)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"per_request_cost": refusal_cost(gw)}
+    print(json.dumps(out, indent=1))
     runs = (("hog silent", 0.0), ("hog at its limit", limit), ("hog at 5x its limit", 5 * limit))
     ctx = mp.get_context("spawn")
     for label, hog_rate in runs:
@@ -193,6 +222,60 @@ def overload_phase(gw: Gateway, limit: float, seconds: float) -> dict[str, Any]:
     return out
 
 
+def roundtrip_phase(redis_url: str, prefix: str, n: int) -> dict[str, Any]:
+    """The origin's first round trip alone, on the same Redis, alternating: the plain pipeline
+    (SADD live set, CREATE_REQUEST, RESERVE, HANDOFF: 4 commands) and the same inside the limit's
+    GATE (1 command). What the limit adds to the origin overhead, without the gateway's noise."""
+    import redis.asyncio as aioredis
+
+    from app.security.apikeys import Limits
+    from app.security.ratelimit import Limiter
+    from app.state.keys import Keys
+    from app.state.store import StateStore
+
+    async def go() -> dict[str, Any]:
+        r = aioredis.from_url(redis_url)
+        k = Keys(prefix)
+        store = StateStore(r, k)
+        lim = Limiter(store, prefix)
+        limits = Limits(rps=1e6, tpm=10**12, max_concurrent=10**6)
+        meta = json.dumps({"rid": "x", "origin": "o", "pred": 1.0, "deadline": 0, "t": 0.0})
+        qkeys, ids = [k.queue("p"), k.queued_ms("p"), k.ledger("p")], b"\x01\x00\x00\x00" * 200
+
+        def trip(rid: str) -> list[list[Any]]:
+            return [
+                ["SADD", k.origin_requests("o"), rid],
+                ["EVALSHA", store.sha("create_request"), 1, k.request(rid), "o", "endpoint", "generate"],
+                ["EVALSHA", store.sha("reserve"), 1, k.reservations("d"), rid, 300, 10**9],
+                ["EVALSHA", store.sha("handoff"), 3, *qkeys, 10**6, "1.0", meta, ids, "1"],
+            ]
+
+        plain: list[float] = []
+        gated: list[float] = []
+        try:
+            for i in range(n + 50):  # the first 50 of each: warm-up (script loads)
+                s = time.perf_counter()
+                await store.execute_scripts(trip(f"p{i}"))
+                e = time.perf_counter()
+                await lim.run("t", limits, f"g{i}", 10, 60_000, trip(f"g{i}"))
+                lim.release("t", f"g{i}")  # as a finished request: rides the next admission
+                f = time.perf_counter()
+                if i >= 50:
+                    plain.append((e - s) * 1000)
+                    gated.append((f - e) * 1000)
+        finally:
+            await r.aclose()
+        return {
+            "n": n,
+            "plain_p50_ms": pct(plain, 50),
+            "gated_p50_ms": pct(gated, 50),
+            "plain_p99_ms": pct(plain, 99),
+            "gated_p99_ms": pct(gated, 99),
+        }
+
+    return asyncio.run(go())
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=6)
@@ -200,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=15.0)
     p.add_argument("--limit", type=float, default=20.0, help="both overload tenants' req/s limit")
     p.add_argument("--output", type=Path, default=None, help="write results.json here")
-    p.add_argument("--phase", choices=("all", "cost", "overload"), default="all")
+    p.add_argument("--phase", choices=("all", "cost", "overload", "roundtrip"), default="all")
     args = p.parse_args(argv)
     from app.state.embedded_redis import start_embedded_redis
 
@@ -211,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[Proc] = []
     results: dict[str, Any] = {"machine": {"cores": os.cpu_count()}, "args": vars(args) | {"output": None}}
     try:
+        if args.phase in ("all", "roundtrip"):
+            results["roundtrip"] = roundtrip_phase(emb.url, cluster, 2000)
+            print(json.dumps(results["roundtrip"], indent=1))
+            if args.phase == "roundtrip":
+                return 0
         procs += start_gateway_workers(["prefill", "decode"], log_dir)
         os.environ["FLEXLB_AUTH"] = "keys"  # read by the gateway subprocess
         gw = start_gateway(log_dir, emb.url, cluster, "bench-gw", secrets.token_urlsafe(18), "WARNING")
