@@ -298,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
             results["roundtrip"] = roundtrip_phase(emb.url, cluster, 2000)
             print(json.dumps(results["roundtrip"], indent=1))
             if args.phase == "roundtrip":
+                if args.output:
+                    args.output.mkdir(parents=True, exist_ok=True)
+                    (args.output / "results.json").write_text(json.dumps(results, indent=1))
                 return 0
         procs += start_gateway_workers(["prefill", "decode"], log_dir)
         os.environ["FLEXLB_AUTH"] = "keys"  # read by the gateway subprocess
