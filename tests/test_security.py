@@ -379,6 +379,9 @@ def test_a_refused_client_id_leaves_no_record(sec: Sec) -> None:
     assert not sec.r.exists(keys.request(scoped))
     for gw in (sec.a, sec.b):
         assert not sec.r.sismember(keys.origin_requests(gw.replica_id), scoped)
+    # once the bucket refills, the same client id runs (its record and hold made inside the gate)
+    ok = wait_for(lambda: (x := sec.gen(sec.b, key, rid=rid)).status_code == 200 and x, 5, what="refill")
+    assert ok.json()["request_id"] == rid and sec.r.hget(keys.request(scoped), "state") == b"completed"
 
 
 def test_the_limit_and_the_round_trip_are_one_command_and_a_refusal_writes_nothing(
