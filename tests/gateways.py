@@ -18,6 +18,11 @@ from app.netports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN_TOKEN = "test-admin-token"
+# Bounds on a hang, not latency checks: a replica's start-up is mostly imports (~1 s of CPU) and a
+# helper call is one local round trip, but at a load average of ~20 on 2 cores both took over
+# 30 s / 5 s of wall clock in CI runs. Nothing asserts on these; they only end a hung test.
+START_TIMEOUT_S = 90.0
+HTTP_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -34,14 +39,14 @@ class Gateway:
 
     def get(self, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if admin else {}
-        return httpx.get(self.url + path, headers=headers, timeout=5, **kw)
+        return httpx.get(self.url + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kw)
 
     def post(self, path: str, admin: bool = False, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"} if admin else {}
-        return httpx.post(self.url + path, headers=headers, timeout=5, **kw)
+        return httpx.post(self.url + path, headers=headers, timeout=HTTP_TIMEOUT_S, **kw)
 
     def delete(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.delete(self.url + path, timeout=5, **kw)
+        return httpx.delete(self.url + path, timeout=HTTP_TIMEOUT_S, **kw)
 
     def readyz(self) -> dict[str, Any]:
         return self.get("/readyz").json()
@@ -69,7 +74,7 @@ def start_gateway(
     redis_url: str | None,
     cluster: str,
     workers: str | None = None,
-    timeout: float = 30.0,
+    timeout: float = START_TIMEOUT_S,
     **env: str,
 ) -> Gateway:
     """`redis_url=None` starts the replica without one: it runs its own embedded Redis."""
@@ -97,7 +102,7 @@ def start_gateway(
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {gw.log()[-3000:]}")
         try:
-            if httpx.get(gw.url + "/healthz", timeout=1).status_code == 200:
+            if httpx.get(gw.url + "/healthz", timeout=5).status_code == 200:
                 return gw
         except httpx.HTTPError:
             pass
