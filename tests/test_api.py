@@ -86,7 +86,7 @@ def start_pair(
                 raise f.exception()  # type: ignore[misc]
         a, b = gws
         wait_for(
-            lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 10, what="2 live"
+            lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 60, what="2 live"
         )
         assert a.post("/admin/workers", admin=True, json={"workers": ",".join(wids)}).status_code == 200
         expected = assign(wids, list(ids))
@@ -97,8 +97,8 @@ def start_pair(
             leases = {w: r.get(keys.owner_lease(w)) for w in wids}
             return all(v is not None and v.decode().split("|")[0] == expected[w] for w, v in leases.items())
 
-        wait_for(owned, 15, what="leases as rendezvous assigns them")
-        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="both replicas ready")
+        wait_for(owned, 60, what="leases as rendezvous assigns them")
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="both replicas ready")
         return a, b
     except BaseException:
         for g in gws:
@@ -144,8 +144,8 @@ def _pair_follows_the_pool(request: pytest.FixtureRequest, _pool_worker_crash_is
     c.address = current
     c.prefill = sorted(w for w in current if w.startswith("prefill@"))
     c.decode = next(w for w in current if w.startswith("decode@"))
-    wait_for(lambda: all(c.owner(w) for w in current), 15, what="the replacement worker owned")
-    wait_for(lambda: c.a.readyz()["ready"] and c.b.readyz()["ready"], 15, what="both replicas ready")
+    wait_for(lambda: all(c.owner(w) for w in current), 60, what="the replacement worker owned")
+    wait_for(lambda: c.a.readyz()["ready"] and c.b.readyz()["ready"], 60, what="both replicas ready")
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def set_config(c: Cluster, **patch: str) -> None:
     version = int(resp.json()["config"]["version"])
     wait_for(
         lambda: all(g.readyz()["config_version"] >= version for g in (c.a, c.b)),
-        5,
+        30,
         what=f"config v{version} applied on both replicas",
     )
 
