@@ -38,7 +38,7 @@ def _metric(gw: Gateway, name: str, **labels: str) -> float:
 def _configure(gw: Gateway, **cfg: Any) -> None:
     before = gw.log().count("runtime config v")
     assert httpx.put(gw.url + "/admin/config", json=cfg, headers=H).status_code == 200
-    wait_for(lambda: gw.log().count("runtime config v") > before, 5, what="config applied")
+    wait_for(lambda: gw.log().count("runtime config v") > before, 30, what="config applied")
 
 
 async def _worker(addr: str, **kw: Any) -> dict[str, Any]:
@@ -315,7 +315,7 @@ def test_batch_that_fails_before_the_worker_accepts_it_is_retried_once_elsewhere
     spec = f"prefill@{p.address},prefill@{doomed.address},decode@{d.address}"
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
     try:
-        wait_for(lambda: a.readyz()["ready"], 15, what="ready")
+        wait_for(lambda: a.readyz()["ready"], 60, what="ready")
         _configure(a, prefill_strategy="round_robin")
         doomed_id = f"prefill@{doomed.address}"
 
@@ -363,7 +363,7 @@ def test_a_refused_decode_reservation_is_placed_on_another_decode_worker(
     r = redis.Redis.from_url(shared_embedded_redis)
     keys = Keys(cluster)
     try:
-        wait_for(lambda: a.readyz()["ready"], 20, what="ready")
+        wait_for(lambda: a.readyz()["ready"], 60, what="ready")
         body = {"prompt": "which decode " * 10, "max_new_tokens": 3}
         first = httpx.post(a.url + "/v1/generate", json=body, timeout=30)
         assert first.status_code == 200, first.text

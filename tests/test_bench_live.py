@@ -29,7 +29,7 @@ def stack(
     spec = ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)
     gw = start_gateway(tmp_path, shared_embedded_redis, f"t-bench-{uuid.uuid4().hex[:6]}", workers=spec)
     try:
-        wait_for(lambda: gw.readyz().get("ready"), 20, what="gateway ready")
+        wait_for(lambda: gw.readyz().get("ready"), 60, what="gateway ready")
 
         def snapshots_in() -> bool:
             ws = gw.get("/admin/workers", admin=True).json()["workers"]

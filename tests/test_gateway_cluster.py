@@ -66,7 +66,7 @@ def two_gateways(worker_pool, redis_url, cluster, tmp_path):
 
 def test_owners_spread_and_move_when_a_replica_dies(two_gateways, worker_pool, redis_url, cluster) -> None:
     a, b = two_gateways
-    wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="both ready")
+    wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="both ready")
     wait_for(lambda: all(owners(a).values()), 10, what="every worker owned")
     held = owners(a)
     assert set(held.values()) == {a.replica_id, b.replica_id}  # spread over both
@@ -112,14 +112,14 @@ def test_embedded_redis_survives_the_replica_that_started_it(worker_pool, cluste
     first = json.loads(gw.log().splitlines()[0])
     assert first["msg"].startswith("redis_url=redis://127.0.0.1:")
     url = first["msg"].split("=", 1)[1]
-    wait_for(lambda: gw.readyz()["ready"], 15, what="ready on embedded redis")
+    wait_for(lambda: gw.readyz()["ready"], 60, what="ready on embedded redis")
     gw.kill()
     r = redis.Redis.from_url(url)
     assert r.ping()
     assert r.scard(Keys(cluster).workers) == 3  # the state outlived the replica
     b = start_gateway(tmp_path, url, cluster)  # another replica joins the same state
     try:
-        wait_for(lambda: b.readyz()["ready"], 15, what="second replica ready")
+        wait_for(lambda: b.readyz()["ready"], 60, what="second replica ready")
     finally:
         b.stop()
     # no replica heartbeats any more: the embedded Redis exits by itself after its idle time
@@ -212,7 +212,7 @@ def test_cache_mirror_on_every_replica_and_late_joiner(
     b = start_gateway(tmp_path, shared_embedded_redis, cluster)
     late = None
     try:
-        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
         p = worker_pool["prefill"][0]
         wid = f"prefill@{p.address}"
         tokens = np.random.default_rng(5).integers(32, 127, 64 * 10, dtype=np.int32)
@@ -324,7 +324,7 @@ def test_redis_restart_with_data_then_empty(worker_pool, cluster, tmp_path) -> N
     own.start()
     gw = start_gateway(tmp_path, own.url, cluster, specs(worker_pool))
     try:
-        wait_for(lambda: gw.readyz()["ready"], 15, what="ready")
+        wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
         keys = Keys(cluster)
         r = redis.Redis.from_url(own.url)
         epoch1 = r.get(keys.cluster_epoch)
@@ -446,7 +446,7 @@ def test_a_declared_policy_routes_live_with_its_batching(
         assert (effective["prefill_strategy"], effective["schedule_mode"]) == ("sticky_direct", "direct")
         listed = gw.get("/admin/policies", admin=True).json()["policies"]["prefill"]
         assert listed["sticky_direct"]["scorers"][1] == {"name": "cache_hit_tokens", "weight": 0.01}
-        wait_for(lambda: gw.readyz()["ready"], 20, what="ready")
+        wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
         body = {"prompt": "declared policy " * 8, "max_new_tokens": 2}
         done = httpx.post(gw.url + "/v1/generate", json=body, timeout=30)
         assert done.status_code == 200, done.text
@@ -515,7 +515,7 @@ def test_policies_declared_at_runtime_apply_on_every_replica(
         assert "fewest_running" in listed["decode"]
         doc = gw2.get("/openapi.json").json()["components"]["schemas"]["ConfigPatch"]["properties"]
         assert "sticky_rt" in doc["prefill_strategy"]["enum"]
-        wait_for(lambda: gw2.readyz()["ready"], 20, what="ready")
+        wait_for(lambda: gw2.readyz()["ready"], 60, what="ready")
         done = httpx.post(
             gw2.url + "/v1/generate", json={"prompt": "runtime policy " * 8, "max_new_tokens": 2}, timeout=30
         )

@@ -330,7 +330,7 @@ def test_gateway_exact_greedy_prefix_hit_sampling_and_openai_sdk_on_both_replica
     gws = [start_gateway(tmp_path, shared_embedded_redis, cluster, spec) for _ in range(2)]
     try:
         a, b = gws
-        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 20, what="both replicas ready")
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="both replicas ready")
 
         def gen(gw: Any, ids: list[int], n: int, **kw: Any) -> dict:
             r = httpx.post(

@@ -43,7 +43,7 @@ def gws(worker_pool, shared_embedded_redis, tmp_path_factory) -> Iterator[tuple[
             started.append(start_gateway(tmp, shared_embedded_redis, cluster, workers=workers))
             started[-1].env["cluster"] = cluster
         for g in started:
-            wait_for(lambda g=g: g.readyz()["ready"], 20, what="gateway ready")
+            wait_for(lambda g=g: g.readyz()["ready"], 60, what="gateway ready")
         yield started[0], started[1]
     finally:
         for g in started:

@@ -88,7 +88,7 @@ def test_schemathesis_finds_no_failures_and_no_server_errors(
         FLEXLB_MAX_NEW_TOKENS_LIMIT="8",
     )
     try:
-        wait_for(lambda: gw.readyz()["ready"], 20, what="fuzz gateway ready")
+        wait_for(lambda: gw.readyz()["ready"], 60, what="fuzz gateway ready")
         total = 0
         # Every seed's main pass before any mutating one: a config a mutating pass leaves behind (say
         # an SLO of 1 ms) would fail the next seed's generation requests.

@@ -24,7 +24,7 @@ def gw(workers_reset, shared_embedded_redis, cluster, tmp_path):  # type: ignore
     spec = ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)
     g = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
     try:
-        wait_for(lambda: g.readyz()["ready"], 15, what="ready")
+        wait_for(lambda: g.readyz()["ready"], 60, what="ready")
         yield g, pool
     finally:
         g.stop()
@@ -129,7 +129,7 @@ def test_cancel_is_durable_when_the_notify_message_is_lost_and_says_what_it_foun
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
     b = start_gateway(tmp_path, proxy.url, cluster)
     try:
-        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
         for w in pool["prefill"]:
             assert worker_call(w.address, "configure", formula="6000")["ok"]
         rid = f"cx-{uuid.uuid4().hex[:8]}"

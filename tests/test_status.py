@@ -27,7 +27,7 @@ def gateway(workers_reset, shared_embedded_redis: str, cluster: str, tmp_path: P
     specs = ",".join(f"{w.role}@{w.address}" for ws in workers_reset.values() for w in ws)
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, specs)
     try:
-        wait_for(lambda: gw.readyz().get("ready") and gw.readyz().get("master"), 20, 0.1, what="ready master")
+        wait_for(lambda: gw.readyz().get("ready") and gw.readyz().get("master"), 60, 0.1, what="ready master")
         yield gw
     finally:
         gw.stop()

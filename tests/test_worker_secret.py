@@ -115,7 +115,7 @@ def test_a_cluster_with_the_secret_serves(
     cluster = f"t-ws-{uuid.uuid4().hex[:6]}"
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, workers=workers, FLEXLB_WORKER_SECRET=SECRET)
     try:
-        wait_for(lambda: gw.readyz()["ready"], 20, what="ready with the secret")
+        wait_for(lambda: gw.readyz()["ready"], 60, what="ready with the secret")
         res = gw.post("/v1/generate", json={"prompt": "hello there", "max_new_tokens": 4})
         assert res.status_code == 200 and len(res.json()["output_ids"]) == 4, res.text
     finally:
