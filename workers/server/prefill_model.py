@@ -37,6 +37,9 @@ class PrefillModel(StreamBase):
 
     epoch: str
     core: Any
+    # Whether the engine reads the prompt's token ids (a real model) or only its lengths and
+    # block keys (the simulated core): `describe` tells clients which input to send (§4.1).
+    needs_input_ids: bool = False
     runner: EngineRunner
     _subs: dict[str, list[Subscriber]]
 
@@ -100,26 +103,43 @@ class PrefillModel(StreamBase):
             raise ControlError(f"{EngineStatus.EPOCH_MISMATCH}: worker epoch is {self.epoch}")
         if not batch_id:
             raise ControlError(f"{EngineStatus.INVALID}: batch_id is required")
-        ids_t, lens_t, rid_t = get(req, W.P_INPUT_IDS), get(req, W.P_INPUT_LENGTHS), get(req, W.P_REQUEST_IDS)
-        if ids_t is None or lens_t is None or rid_t is None:
+        ids_t, keys_t = get(req, W.P_INPUT_IDS), get(req, W.P_BLOCK_KEYS)
+        lens_t, rid_t = get(req, W.P_INPUT_LENGTHS), get(req, W.P_REQUEST_IDS)
+        if (ids_t is None and keys_t is None) or lens_t is None or rid_t is None:
             raise ControlError(
                 f"{EngineStatus.INVALID}: request_ids, input_ids and input_lengths are required"
             )
+        if ids_t is None and self.needs_input_ids:
+            raise ControlError(f"{EngineStatus.INVALID}: {W.NEEDS_INPUT_IDS}")
         rids = as_strs(rid_t)
         lens = lens_t.reshape(-1).astype(np.int64)
-        ids = ids_t.reshape(-1)
         if len(rids) == 0:
             raise ControlError(f"{EngineStatus.INVALID}: empty batch")
-        if len(lens) != len(rids) or int(lens.sum()) != len(ids) or (lens < 0).any():
+        bad = len(lens) != len(rids) or (lens < 0).any()
+        ids = ids_t.reshape(-1) if ids_t is not None else None
+        bs = self.cfg.block_size
+        if not bad and ids is not None:
+            bad = int(lens.sum()) != len(ids)
+        # Keys the caller hashed (§4.1): the worker skips hashing, and the 4 bytes a token of
+        # input_ids never cross the gRPC -> Triton -> stub -> zmq (base64 + JSON) path.
+        keys = keys_t.reshape(-1).tolist() if keys_t is not None and ids is None else None
+        if not bad and keys is not None:
+            bad = int((lens // bs).sum()) != len(keys)
+        if bad:
             raise ControlError(f"{EngineStatus.INVALID}: input_lengths do not match input_ids/request_ids")
         out: list[PrefillRequest] = []
-        off = 0
-        bs = self.cfg.block_size
+        off = koff = 0
         for rid, n in zip(rids, lens.tolist(), strict=True):
-            toks = ids[off : off + n]
-            off += n
-            keys = block_keys(toks, bs, model=self.cfg.model_name, tokenizer=self.cfg.tokenizer)
-            out.append(self._prefill_request(req, len(out), rid, toks, tuple(keys)))
+            if ids is not None:
+                toks = ids[off : off + n]
+                off += n
+                ks = tuple(block_keys(toks, bs, model=self.cfg.model_name, tokenizer=self.cfg.tokenizer))
+            else:
+                assert keys is not None
+                toks = None
+                ks = tuple(keys[koff : koff + n // bs])
+                koff += n // bs
+            out.append(self._prefill_request(req, len(out), rid, n, toks, ks))
         return out
 
     def _submit_prefill(
@@ -146,11 +166,12 @@ class PrefillModel(StreamBase):
         return out.queue_position, None
 
     def _prefill_request(
-        self, req: Any, i: int, rid: str, toks: np.ndarray, keys: tuple[int, ...]
+        self, req: Any, i: int, rid: str, n: int, toks: np.ndarray | None, keys: tuple[int, ...]
     ) -> PrefillRequest:
-        """Member `i` of the batch as the engine takes it (a real engine also needs the tokens
-        and the sampling fields: hf_service.py)."""
-        return PrefillRequest(rid, len(toks), keys)
+        """Member `i` of the batch as the engine takes it: the simulated engine needs the length
+        and the block keys only; a real engine also needs the tokens (`needs_input_ids`) and
+        the sampling fields (hf_service.py)."""
+        return PrefillRequest(rid, n, keys)
 
     async def _claim_local(self, rid: str, epoch: str) -> str:
         """A claim arriving over the side channel: the same answer as `control.release`."""
