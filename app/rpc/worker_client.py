@@ -243,6 +243,9 @@ class WorkerClient:
                 first = False
                 if refused:
                     continue
+                if ev.event == "results" and r.as_numpy(W.P_QUEUE_POSITION) is not None:
+                    # `accepted` rode on the batch's first results (§4.2)
+                    yield PrefillEvent("accepted", ev.batch_id, ev.epoch, ev.queue_position)
                 yield ev
                 if ev.event == "results" and _first(r, W.P_FINAL, 0):  # results + final in one (§4.2)
                     yield PrefillEvent("final", ev.batch_id, ev.epoch)

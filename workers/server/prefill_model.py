@@ -68,15 +68,24 @@ class PrefillModel(StreamBase):
         loop = asyncio.get_running_loop()
         sub = Subscriber(loop)
         pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub))
-        yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
         if replay is not None:
-            yield (
-                p_results(self.epoch, batch_id, replay, final=True)
-                if replay
-                else p_event(self.epoch, "final", batch_id)
-            )
+            if replay:  # its results ride on `accepted` (§4.2): one event instead of two
+                yield _accepted(p_results(self.epoch, batch_id, replay, final=True), pos)
+            else:
+                yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
+                yield p_event(self.epoch, "final", batch_id)
             return
-        held: tuple[str, Any] | None = None
+        held: tuple[str, Any] | None = self._peek(sub)
+        if held is not None and held[0] == "results":
+            # The batch finished before `accepted` left (a zero-time engine, refused members):
+            # `accepted` rides on its first results, and `final` too when it is queued (§4.2).
+            payload, held = held[1], self._peek(sub)
+            last = held is not None and held[0] == "final"
+            yield _accepted(p_results(self.epoch, batch_id, payload, final=last), pos)
+            if last:
+                return
+        else:
+            yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
         while True:
             item, held = held or await self._next(sub), None
             if item is None:
@@ -163,6 +172,9 @@ class PrefillModel(StreamBase):
         self._subs.setdefault(batch_id, []).append(sub)
         out = core.submit(batch_id, reqs, now)
         self._route(out.effects)
+        # What is due now (a zero-time batch's end) is delivered before `accepted` is sent, not at
+        # the engine thread's next wake-up, so both can travel as one event.
+        self._route(core.advance_to(now))
         return out.queue_position, None
 
     def _prefill_request(
@@ -179,3 +191,9 @@ class PrefillModel(StreamBase):
         if epoch and epoch != self.epoch:
             return EngineStatus.EPOCH_MISMATCH
         return str((await self.runner.call(lambda: self._release(rid)))["status"])
+
+
+def _accepted(ev: dict[str, np.ndarray], queue_position: int) -> dict[str, np.ndarray]:
+    """`accepted` folded into a `results` event: its `queue_position` rides along (§4.2)."""
+    ev[W.P_QUEUE_POSITION] = np.array([queue_position], dtype=np.int32)
+    return ev
