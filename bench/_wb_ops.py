@@ -287,22 +287,32 @@ async def prefill_overhead(
         """The keys as the gateway has them from routing (the worker's default key space)."""
         return PromptKeys(bs, "flexlb-sim", "byte", [block_keys(t, bs) for _, t in reqs])
 
-    # Alternate batches: the client hashes the prompts (what the gateway's owner pays while it
-    # hands the client token ids) / the keys come hashed (the gateway's routing already has them).
+    # Three arms in turn, so a shared box's load hits them alike: the client hashes the prompts
+    # into block keys (what the gateway's owner pays while it hands the client token ids), the
+    # keys come hashed (the gateway's routing already has them), token ids (the path before
+    # block keys: the worker decodes and hashes 4 bytes a token).
+    ids_client = WorkerClient(client.address, block_keys=False)
     cpu0 = meter.start()
     outs: list[BatchOutcome] = []
     given: list[BatchOutcome] = []
-    for i in range(batches):
-        reqs = src.batch("ov", size, length)
-        if i % 2:
-            given.append(await run_batch(client, epoch, reqs, hashed(reqs)))
-        else:
-            outs.append(await run_batch(client, epoch, reqs))
+    by_ids: list[BatchOutcome] = []
+    try:
+        for i in range(batches):
+            reqs = src.batch("ov", size, length)
+            if i % 3 == 1:
+                given.append(await run_batch(client, epoch, reqs, hashed(reqs)))
+            elif i % 3 == 2:
+                by_ids.append(await run_batch(ids_client, epoch, reqs))
+            else:
+                outs.append(await run_batch(client, epoch, reqs))
+    finally:
+        await ids_client.close()
     cpu = meter.cores(cpu0)
     st = await client.status()
     scale = float(st["time_scale"])
     added = [o.wall_ms - o.modelled_ms * scale for o in outs]
     added_given = [o.wall_ms - o.modelled_ms * scale for o in given]
+    added_ids = [o.wall_ms - o.modelled_ms * scale for o in by_ids]
     accepted = [(o.t_accepted - o.t_sent) * 1000 for o in outs]
     middle = [(o.t_results - o.t_accepted) * 1000 - o.modelled_ms * scale for o in outs]
     tail = [(o.t_final - o.t_results) * 1000 for o in outs]
@@ -310,7 +320,7 @@ async def prefill_overhead(
         "formula": formula,
         "batch_size": size,
         "prompt_tokens": length,
-        "batches": len(outs) + len(given),
+        "batches": len(outs) + len(given) + len(by_ids),
         "modelled_ms_p50": r2(pct([o.modelled_ms for o in outs], 50)),
         "wall_ms_p50": r2(pct([o.wall_ms for o in outs], 50)),
         "added_ms_p50": r2(pct(added, 50)),
@@ -318,6 +328,8 @@ async def prefill_overhead(
         "added_ms_max": r2(max(added)),
         "added_keys_given_ms_p50": r2(pct(added_given, 50)),
         "added_keys_given_ms_p99": r2(pct(added_given, 99)),
+        "added_token_ids_ms_p50": r2(pct(added_ids, 50)),
+        "added_token_ids_ms_p99": r2(pct(added_ids, 99)),
         "send_to_accepted_ms_p50": r2(pct(accepted, 50)),
         "accepted_to_results_minus_modelled_ms_p50": r2(pct(middle, 50)),
         "results_to_final_ms_p50": r2(pct(tail, 50)),

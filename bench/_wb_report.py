@@ -56,6 +56,7 @@ def render(results: dict[str, Any]) -> None:
                 "added p50",
                 "added p99",
                 "keys given p50/p99",
+                "token ids p50/p99",
                 "send->accepted",
                 "accepted->results -modelled",
                 "results->final",
@@ -70,6 +71,7 @@ def render(results: dict[str, Any]) -> None:
             f"{ov['added_ms_p50']:.2f}",
             f"{ov['added_ms_p99']:.2f}",
             f"{ov.get('added_keys_given_ms_p50', nan):.2f}/{ov.get('added_keys_given_ms_p99', nan):.2f}",
+            f"{ov.get('added_token_ids_ms_p50', nan):.2f}/{ov.get('added_token_ids_ms_p99', nan):.2f}",
             f"{ov['send_to_accepted_ms_p50']:.2f}",
             f"{ov['accepted_to_results_minus_modelled_ms_p50']:.2f}",
             f"{ov['results_to_final_ms_p50']:.2f}",
@@ -158,7 +160,9 @@ def summary_md(results: dict[str, Any]) -> str:
             f"{ov['results_to_final_ms_p50']:.2f} ms. With the block keys given (as the gateway's "
             f"routing has them) instead of hashed by the client: median "
             f"{ov.get('added_keys_given_ms_p50', nan):.2f}, "
-            f"p99 {ov.get('added_keys_given_ms_p99', nan):.2f}.",
+            f"p99 {ov.get('added_keys_given_ms_p99', nan):.2f}; with token ids (the path before block "
+            f"keys): median {ov.get('added_token_ids_ms_p50', nan):.2f}, "
+            f"p99 {ov.get('added_token_ids_ms_p99', nan):.2f}.",
             "",
         ]
     dec = results.get("decode_delivery")

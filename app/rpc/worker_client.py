@@ -115,8 +115,10 @@ def _b(values: Sequence[str]) -> np.ndarray:
 
 
 class WorkerClient:
-    def __init__(self, address: str, secret: str = "") -> None:
+    def __init__(self, address: str, secret: str = "", block_keys: bool = True) -> None:
         self.address = address
+        # False: always send token ids (a bench's baseline; docs/worker-protocol.md §4.1)
+        self.block_keys = block_keys
         # The workers' shared secret (FLEXLB_WORKER_SECRET): sent with every control call, which a
         # worker started with one refuses without it (docs/operations.md "Security").
         self.secret = secret
@@ -257,7 +259,7 @@ class WorkerClient:
         """The worker's key space when its engine takes block keys, asked once per epoch with
         `describe`; None (send the ids) without an epoch to pin the answer to, or when the worker
         needs the ids, is older than `describe`, or did not answer (then for the whole epoch)."""
-        if not epoch:
+        if not epoch or not self.block_keys:
             return None
         if epoch in self._inputs:
             return self._inputs[epoch]
