@@ -81,6 +81,8 @@ class ControlModel:
             return await self._configure(body)
         if op == "reset":
             return await self.runner.call(self._reset)
+        if op == "describe":  # static: a client's first prefill must not wait on a hang for it
+            return self._describe()
         await self._wait_unhung()
         if op == "status":
             return await self.runner.call(lambda: self._status(int(body.get("since_seq", 0))))
@@ -96,8 +98,6 @@ class ControlModel:
             return await self.runner.call(lambda: self._cancel(some_id))
         if op == "kv_endpoint":
             return {"kv_endpoint": self.kv_endpoint}
-        if op == "describe":
-            return self._describe()
         if op == "release":
             if body.get("epoch") and body["epoch"] != self.epoch:
                 return {"status": EngineStatus.EPOCH_MISMATCH}
