@@ -204,8 +204,8 @@ def test_prefill_batch_of_different_lengths_is_one_forward_pass_and_exact(hf, re
 
 def test_the_real_engine_asks_for_ids_and_a_client_sending_keys_falls_back_to_them(hf, ref) -> None:
     """The simulated engine takes block keys instead of token ids (docs/worker-protocol.md §4.1);
-    this one computes on the tokens. A client that believes otherwise (a restart at the same
-    address brought a real engine) is refused before the engine sees the batch and resends ids."""
+    this one computes on the tokens. A client that believes otherwise (its cached `describe`
+    answer is wrong) is refused before the engine sees the batch and resends the ids."""
     pw = hf["prefill"]
     d = worker_call(pw.address, "describe")
     assert d["prefill_input"] == W.INPUT_IDS and d["block_size"] == BS

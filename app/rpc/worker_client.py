@@ -239,8 +239,9 @@ class WorkerClient:
             async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
                 ev = _prefill_event(r)
                 if first and ks is not None and ev.event == "error" and ev.error.endswith(W.NEEDS_INPUT_IDS):
-                    # Refused before the engine saw the batch (a restart at this address brought an
-                    # engine that needs the ids): send it again with them. Read to the stream's end.
+                    # Refused before the engine saw the batch: the cached answer was wrong (it is
+                    # kept per epoch, so only a client told a wrong one gets here). Send the
+                    # batch again with the ids. Read to the stream's end.
                     refused = True
                 first = False
                 if refused:
