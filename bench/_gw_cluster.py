@@ -64,6 +64,13 @@ class Gateway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def pids(self) -> list[int]:
+        """The replica's process and, with `--gateway-procs`, the serving processes it started."""
+        import psutil
+
+        kids = [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        return [self.proc.pid, *kids]
+
     def get(self, path: str, admin: bool = False, timeout: float = 5.0) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self.token}"} if admin else {}
         return httpx.get(self.url + path, headers=headers, timeout=timeout)
@@ -96,6 +103,10 @@ def start_gateway(
         "FLEXLB_CLUSTER": cluster,
         "FLEXLB_ADMIN_TOKEN": token,
         "FLEXLB_REPLICA_ID": replica_id,
+        # SLO admission scales the cluster's TTFT SLO by the worker's time scale (0.001 here), so
+        # the deadline is ~2 wall ms, below the gateway's 20 ms floor: every request would be
+        # refused 429 slo_unattainable. This bench measures the path, not admission.
+        "FLEXLB_ADMISSION": "off",
     }
     cmd = [
         sys.executable,
@@ -128,45 +139,53 @@ def start_gateway(
     raise RuntimeError(f"gateway did not start: {gw.proc.log_tail()}")
 
 
-def pick_replica_ids(worker_ids: Sequence[str]) -> tuple[str, str]:
-    """Two replica ids for which rendezvous hashing gives each one prefill and one decode worker,
-    so both replicas act as owners (leases are sticky, so this is also what they end up holding)."""
+def pick_replica_ids(worker_ids: Sequence[str], n: int = 2) -> tuple[str, ...]:
+    """`n` replica ids for which rendezvous hashing spreads the workers: with two replicas and a
+    worker of each role per replica, each gets one prefill and one decode worker; otherwise every
+    replica owns at least one worker where there are enough (with one prefill and one decode
+    worker and two replicas, one owns the prefill and the other the decode worker, so every
+    request crosses replicas). Leases are sticky, so this is also what they end up holding."""
     from app.cluster.rendezvous import assign
 
+    if n == 1:
+        return (f"gwb-{uuid.uuid4().hex[:6]}",)
     pre = [w for w in worker_ids if w.startswith("prefill@")]
     dec = [w for w in worker_ids if w.startswith("decode@")]
     for _ in range(10_000):
-        a, b = f"gwb-{uuid.uuid4().hex[:6]}", f"gwb-{uuid.uuid4().hex[:6]}"
-        owner = assign(worker_ids, [a, b])
-        if {owner[w] for w in pre} == {a, b} and {owner[w] for w in dec} == {a, b}:
-            return a, b
-    raise RuntimeError("no replica id pair splits the workers")  # pragma: no cover (p = 0.75^10000)
+        ids = tuple(f"gwb-{uuid.uuid4().hex[:6]}" for _ in range(n))
+        owner = assign(worker_ids, list(ids))
+        if len(pre) >= n and len(dec) >= n:
+            if {owner[w] for w in pre} == set(ids) and {owner[w] for w in dec} == set(ids):
+                return ids
+        elif len({owner[w] for w in worker_ids}) == min(n, len(worker_ids)):
+            return ids
+    raise RuntimeError("no replica ids split the workers")  # pragma: no cover (p = 0.75^10000)
 
 
 def setup_cluster(
     args: argparse.Namespace, log_dir: Path, redis_url: str, cluster: str, procs: list[Proc], results: dict
 ) -> tuple[list[Gateway], list[Proc]]:
-    """Workers, then two worker-less replicas; workers registered once both replicas are live."""
-    console.print("starting 2 prefill + 2 decode workers...")
-    workers = start_gateway_workers(["prefill", "prefill", "decode", "decode"], log_dir)
+    """Workers, then `--replicas` worker-less replicas; workers registered once all are live."""
+    console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")
+    workers = start_gateway_workers(["prefill"] * args.prefill + ["decode"] * args.decode, log_dir)
     procs.extend(workers)
     worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
     results["workers"] = {
         wid: {"epoch": w.info["epoch"], "startup_s": w.info.get("startup_s")}
         for wid, w in zip(worker_ids, workers, strict=True)
     }
-    ids = pick_replica_ids(worker_ids)
+    ids = pick_replica_ids(worker_ids, args.replicas)
     token = secrets.token_urlsafe(18)
-    console.print(f"starting gateway replicas {ids[0]}, {ids[1]}...")
+    console.print(f"starting gateway replicas {', '.join(ids)}...")
     gws: list[Gateway] = []
     for rid in ids:
         gw = start_gateway(log_dir, redis_url, cluster, rid, token, args.gateway_log_level)
         gws.append(gw)
         procs.append(gw.proc)
     wait_for(
-        lambda: all(len(g.get("/admin/leases", admin=True).json()["live_replicas"]) == 2 for g in gws),
+        lambda: all(len(g.get("/admin/leases", admin=True).json()["live_replicas"]) == len(ids) for g in gws),
         30,
-        "both replicas live",
+        "every replica live",
     )
     r = gws[0].post("/admin/workers", {"workers": ",".join(worker_ids)})
     r.raise_for_status()

@@ -100,16 +100,78 @@ QUICK = Plan(open_s=5.0, e2e_n=50, closed_s=3.0, warmup=10)
 
 def make_plan(args: argparse.Namespace) -> Plan:
     plan = QUICK if args.quick else FULL
+    if args.concurrency:
+        plan = replace(plan, concurrency=tuple(int(c) for c in args.concurrency.split(",")))
+    if args.no_open_loop:
+        plan = replace(plan, open_s=0.0)
     return replace(plan, open_rate=args.rate) if args.rate else plan
 
 
+class Profiler:
+    """`py-spy record` on every gateway process for one phase (collapsed stacks, one file per
+    process and phase), when `--py-spy DIR` asks for it; see docs/benchmarks.md for the
+    per-stage breakdown read from these files."""
+
+    def __init__(self, out: Path | None, pids: list[int]) -> None:
+        self.out = out
+        self.pids = pids
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Any:
+        if self.out is None:
+            yield
+            return
+        import subprocess
+
+        self.out.mkdir(parents=True, exist_ok=True)
+        spies = [
+            subprocess.Popen(
+                [
+                    str(Path(sys.executable).with_name("py-spy")),
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--output",
+                    str(self.out / f"{name}-{pid}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for pid in self.pids
+        ]
+        time.sleep(0.5)  # py-spy attaches before the phase starts
+        try:
+            yield
+        finally:
+            for sp in spies:
+                sp.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            for sp in spies:
+                try:
+                    sp.wait(15)
+                except Exception:
+                    sp.kill()
+
+
 class Bench:
-    def __init__(self, plan: Plan, gateways: list[Gateway], workers: list[Proc], redis_pid: int | None):
+    def __init__(
+        self,
+        plan: Plan,
+        gateways: list[Gateway],
+        workers: list[Proc],
+        redis_pid: int | None,
+        py_spy: Path | None = None,
+    ):
         self.plan = plan
         self.gws = gateways
         self.workers = workers
         self.urls = [g.url for g in gateways]
-        self.gw_cpu = CpuMeter([g.proc.pid for g in gateways])
+        self.gw_cpu = CpuMeter([g.proc.pid for g in gateways], tree=True)  # --gateway-procs children
+        self.prof = Profiler(py_spy, [pid for g in gateways for pid in g.pids()])
         self.worker_cpu = CpuMeter([w.pid for w in workers], tree=True)
         self.redis_cpu = CpuMeter([redis_pid]) if redis_pid else None
         self.lg = LoadGen()
@@ -288,17 +350,18 @@ class Bench:
         dec = [(w.info["address"], w.info["epoch"]) for w in self.live_workers("decode")]
         self.stats(True)
         c0 = self.cpu()
-        res = self.lg.call(
-            "e2e",
-            p.e2e_n * 2 * REQUEST_TIMEOUT_S,
-            urls=self.urls,
-            prefill=pre,
-            decode=dec,
-            n=p.e2e_n,
-            n_tokens=PROMPT_TOKENS,
-            max_new=MAX_NEW_TOKENS,
-            seed=seed,
-        )
+        with self.prof.phase("sequential"):
+            res = self.lg.call(
+                "e2e",
+                p.e2e_n * 2 * REQUEST_TIMEOUT_S,
+                urls=self.urls,
+                prefill=pre,
+                decode=dec,
+                n=p.e2e_n,
+                n_tokens=PROMPT_TOKENS,
+                max_new=MAX_NEW_TOKENS,
+                seed=seed,
+            )
         c1 = self.cpu()
         s1 = self.stats(True)
         g, d = res["gateway_ms"], res["direct_ms"]
@@ -326,16 +389,17 @@ class Bench:
             settle_s = self.settle(f"closed loop at {c} clients")
             before = len(self.incidents)
             c0 = self.cpu()
-            res = self.lg.call(
-                "closed_loop",
-                p.closed_s + REQUEST_TIMEOUT_S + 60,
-                urls=self.urls,
-                concurrency=c,
-                duration=p.closed_s,
-                n_tokens=PROMPT_TOKENS,
-                max_new=MAX_NEW_TOKENS,
-                seed=seed + c,
-            )
+            with self.prof.phase(f"closed{c}"):
+                res = self.lg.call(
+                    "closed_loop",
+                    p.closed_s + REQUEST_TIMEOUT_S + 60,
+                    urls=self.urls,
+                    concurrency=c,
+                    duration=p.closed_s,
+                    n_tokens=PROMPT_TOKENS,
+                    max_new=MAX_NEW_TOKENS,
+                    seed=seed + c,
+                )
             c1 = self.cpu()
             ok = res["codes"].get("ok", 0)
             lat = res["latency_ms"]
@@ -381,7 +445,7 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         console.print(f"ownership: {results['ownership']}")
         with contextlib.suppress(Exception):
             results["runtime_config"] = gws[0].get("/admin/config", admin=True).json().get("config")
-        bench = Bench(plan, gws, workers, emb.pid if emb else None)
+        bench = Bench(plan, gws, workers, emb.pid if emb else None, args.py_spy)
         warm = bench.lg.call(
             "sequential",
             120,
@@ -399,12 +463,13 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
             f"[bold]1. open loop[/bold] {plan.open_rate:g} req/s x {plan.open_s:g} s "
             f"(idle Redis {idle['total_per_s']} cmd/s)"
         )
-        results["open_loop"] = bench.phase("open loop", bench.open_loop, idle, args.seed + 1)
-        ol = results["open_loop"]
-        console.print(
-            f"  ok {ol['ok']}/{ol['sent']}, origin p50 {ol['origin_p50_ms']} ms, "
-            f"hand-off p50 {ol['handoff_p50_ms']} ms, redis net {ol['redis_cmds_per_req_net']}/req"
-        )
+        if plan.open_s > 0:
+            results["open_loop"] = bench.phase("open loop", bench.open_loop, idle, args.seed + 1)
+            ol = results["open_loop"]
+            console.print(
+                f"  ok {ol['ok']}/{ol['sent']}, origin p50 {ol['origin_p50_ms']} ms, "
+                f"hand-off p50 {ol['handoff_p50_ms']} ms, redis net {ol['redis_cmds_per_req_net']}/req"
+            )
         console.print(f"[bold]2. end-to-end vs direct[/bold] ({plan.e2e_n} sequential each)")
         results["e2e"] = bench.phase("end-to-end", bench.e2e, args.seed + 2)
         console.print(f"[bold]3. closed loop[/bold] {plan.concurrency}, {plan.closed_s:g} s each")
@@ -449,6 +514,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "the path; batching: the product's default batcher (fixed window, at most 2 batches in flight "
         "per worker, so a request can wait for a batch to finish: batching policy, not hand-off)",
     )
+    p.add_argument("--replicas", type=int, default=2, help="gateway replicas (default 2)")
+    p.add_argument("--prefill", type=int, default=2, help="zero-time prefill workers (default 2)")
+    p.add_argument("--decode", type=int, default=2, help="zero-time decode workers (default 2)")
+    p.add_argument(
+        "--gateway-procs", type=int, default=1, help="processes per replica (SO_REUSEPORT, default 1)"
+    )
+    p.add_argument("--concurrency", default=None, help="closed-loop clients, comma-separated (1,32,128)")
+    p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop phase")
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="record each gateway process with py-spy (collapsed stacks) during the sequential and "
+        "closed-loop phases into this folder",
+    )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -470,6 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "worker_args": WORKER_ARGS + KV_TTL_ARGS,
             "gateway_log_level": args.gateway_log_level,
             "schedule": args.schedule,
+            "replicas": args.replicas,
+            "prefill_workers": args.prefill,
+            "decode_workers": args.decode,
+            "gateway_procs": args.gateway_procs,
             "targets": TARGETS,
             "open_loop_max_inflight": OPEN_LOOP_MAX_INFLIGHT,
             "request_timeout_s": REQUEST_TIMEOUT_S,
