@@ -19,48 +19,10 @@ app = typer.Typer(
 )
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        d = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for k in (
-            "event",
-            "request_id",
-            "trace_id",
-            "worker",
-            "prefill_worker",
-            "decode_worker",
-            "batch_id",
-            "batch_size",
-            "reason",
-            "code",
-            "user",  # OpenAI `user` of the request
-        ):
-            v = getattr(record, k, None)
-            if v is not None:
-                d[k] = v
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d)
-
-
 def setup_logging(level: str = "INFO") -> None:
-    # Our JSON lines never show the caller's file/line, thread or process names: skip collecting
-    # them (the logging docs' "Optimization" switches). A request writes ~6 lines, and the
-    # caller lookup alone walked the stack for each.
-    logging._srcfile = None  # type: ignore[attr-defined]
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
-    h = logging.StreamHandler()
-    h.setFormatter(_JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [h]
-    root.setLevel(level.upper())
+    from app.logging_setup import setup_logging as setup
+
+    setup(level)
 
 
 @app.callback()
@@ -197,6 +159,9 @@ def gateway(
         if v is not None
     }
     settings = Settings(**overrides)  # type: ignore[arg-type]
+    from app.logging_setup import set_lifecycle_sample
+
+    set_lifecycle_sample(settings.log_lifecycle_sample)
     try:
         seed = parse_workers(workers) if workers else []
     except BadWorkerSpec as exc:
@@ -220,6 +185,7 @@ def gateway(
         log_config=None,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        access_log=settings.access_log,
     )
     DrainingServer(config, app_.state.replica, settings.drain_timeout_s).run()
 

@@ -26,6 +26,7 @@ from types import FrameType
 import uvicorn
 
 from app.gateway.replica import Replica
+from app.logging_setup import flush_logs
 
 log = logging.getLogger("flexlb.gateway")
 
@@ -76,6 +77,7 @@ class DrainingServer(uvicorn.Server):
 def _exit_now(why: str) -> None:
     """Leave without running anything else: no lifespan, no atexit hook can hang us here."""
     log.warning("%s", why, extra={"event": "forced_exit"})
+    flush_logs()
     for h in logging.getLogger().handlers:
         h.flush()
     os._exit(1)
