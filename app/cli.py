@@ -144,8 +144,13 @@ def gateway(
     replica_id: Annotated[str | None, typer.Option(help="stable replica id (FLEXLB_REPLICA_ID)")] = None,
     host: Annotated[str | None, typer.Option(help="listen address (FLEXLB_HOST)")] = None,
     log_level: str = "INFO",
+    procs: Annotated[
+        int | None,
+        typer.Option(help="serving processes on the port, each a replica (FLEXLB_GATEWAY_PROCS, default 1)"),
+    ] = None,
+    reuseport: Annotated[bool, typer.Option(hidden=True, help="one of --procs: SO_REUSEPORT")] = False,
 ) -> None:
-    """Run one gateway replica."""
+    """Run one gateway replica (or --procs N serving processes on one port)."""
     setup_logging(log_level)
     import uvicorn
 
@@ -155,7 +160,13 @@ def gateway(
 
     overrides = {
         k: v
-        for k, v in {"port": port, "redis_url": redis_url, "replica_id": replica_id, "host": host}.items()
+        for k, v in {
+            "port": port,
+            "redis_url": redis_url,
+            "replica_id": replica_id,
+            "host": host,
+            "gateway_procs": procs,
+        }.items()
         if v is not None
     }
     settings = Settings(**overrides)  # type: ignore[arg-type]
@@ -175,9 +186,18 @@ def gateway(
         url = emb.url
     log.info("redis_url=%s", url)
     log.info("config %s", json.dumps(_redacted(settings)))
-    app_ = create_app(settings, url, seed)
-    from app.gateway.server import DrainingServer
+    from app.gateway.procs import ServingProcs, reuseport_socket
+    from app.gateway.server import SHUTDOWN_GRACE_S, DrainingServer
 
+    many = settings.gateway_procs > 1 or reuseport
+    sockets = [reuseport_socket(settings.host, settings.port)] if many else None
+    others = None
+    if settings.gateway_procs > 1:
+        argv = ["--port", str(settings.port), "--host", settings.host, "--log-level", log_level]
+        argv.append("--reuseport")
+        others = ServingProcs(settings.gateway_procs, argv, settings.replica_id, url)
+        others.start()
+    app_ = create_app(settings, url, seed)
     config = uvicorn.Config(
         app_,
         host=settings.host,
@@ -187,7 +207,11 @@ def gateway(
         timeout_graceful_shutdown=10,
         access_log=settings.access_log,
     )
-    DrainingServer(config, app_.state.replica, settings.drain_timeout_s).run()
+    try:
+        DrainingServer(config, app_.state.replica, settings.drain_timeout_s, others).run(sockets=sockets)
+    finally:
+        if others is not None:
+            others.wait(settings.drain_timeout_s + SHUTDOWN_GRACE_S)
 
 
 def _redacted(settings: object) -> dict[str, object]:
@@ -217,6 +241,9 @@ def up(
     redis_ha: Annotated[
         bool, typer.Option("--redis-ha", help="Redis master + replica + 3 sentinels on loopback")
     ] = False,
+    gateway_procs: Annotated[
+        int, typer.Option(min=1, help="serving processes per gateway replica, on its one port (SO_REUSEPORT)")
+    ] = 1,
 ) -> None:
     """Run the local stack in the foreground: Redis, workers, gateways (Ctrl-C stops everything)."""
     from pathlib import Path
@@ -246,6 +273,7 @@ def up(
             redis_url=redis_url,
             worker_args=engine_args,
             redis_ha=redis_ha,
+            gateway_procs=gateway_procs,
         )
     )
 

@@ -96,6 +96,7 @@ class Settings(BaseSettings):
         le=1.0,
         description="share of requests logging every lifecycle transition at INFO (terminal line: always)",
     )
+    gateway_procs: int = Field(1, ge=1, le=256, description="serving processes on the port (SO_REUSEPORT)")
     access_log: bool = Field(False, description="uvicorn's access line per HTTP request")
 
     def admission_config(self) -> AdmissionConfig:

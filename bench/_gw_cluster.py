@@ -93,7 +93,7 @@ class Gateway:
 
 
 def start_gateway(
-    log_dir: Path, redis_url: str, cluster: str, replica_id: str, token: str, log_level: str
+    log_dir: Path, redis_url: str, cluster: str, replica_id: str, token: str, log_level: str, procs: int = 1
 ) -> Gateway:
     """`flexlb gateway` with no workers; returns once /healthz answers (bounded)."""
     port = free_port()
@@ -121,6 +121,8 @@ def start_gateway(
         redis_url,
         "--log-level",
         log_level,
+        "--procs",
+        str(procs),
     ]
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
@@ -139,7 +141,12 @@ def start_gateway(
     raise RuntimeError(f"gateway did not start: {gw.proc.log_tail()}")
 
 
-def pick_replica_ids(worker_ids: Sequence[str], n: int = 2) -> tuple[str, ...]:
+def members(ids: Sequence[str], procs: int) -> list[str]:
+    """The cluster members of these replicas: with `--gateway-procs`, `<id>.<k>` for k >= 1."""
+    return [m for rid in ids for m in [rid, *(f"{rid}.{k}" for k in range(1, procs))]]
+
+
+def pick_replica_ids(worker_ids: Sequence[str], n: int = 2, procs: int = 1) -> tuple[str, ...]:
     """`n` replica ids for which rendezvous hashing spreads the workers: with two replicas and a
     worker of each role per replica, each gets one prefill and one decode worker; otherwise every
     replica owns at least one worker where there are enough (with one prefill and one decode
@@ -147,17 +154,19 @@ def pick_replica_ids(worker_ids: Sequence[str], n: int = 2) -> tuple[str, ...]:
     request crosses replicas). Leases are sticky, so this is also what they end up holding."""
     from app.cluster.rendezvous import assign
 
-    if n == 1:
+    if n == 1 and procs == 1:
         return (f"gwb-{uuid.uuid4().hex[:6]}",)
     pre = [w for w in worker_ids if w.startswith("prefill@")]
     dec = [w for w in worker_ids if w.startswith("decode@")]
     for _ in range(10_000):
         ids = tuple(f"gwb-{uuid.uuid4().hex[:6]}" for _ in range(n))
-        owner = assign(worker_ids, list(ids))
-        if len(pre) >= n and len(dec) >= n:
-            if {owner[w] for w in pre} == set(ids) and {owner[w] for w in dec} == set(ids):
+        every = members(ids, procs)
+        owner = assign(worker_ids, every)
+        m = len(every)
+        if len(pre) >= m and len(dec) >= m:
+            if {owner[w] for w in pre} == set(every) and {owner[w] for w in dec} == set(every):
                 return ids
-        elif len({owner[w] for w in worker_ids}) == min(n, len(worker_ids)):
+        elif len({owner[w] for w in worker_ids}) == min(m, len(worker_ids)):
             return ids
     raise RuntimeError("no replica ids split the workers")  # pragma: no cover (p = 0.75^10000)
 
@@ -174,24 +183,27 @@ def setup_cluster(
         wid: {"epoch": w.info["epoch"], "startup_s": w.info.get("startup_s")}
         for wid, w in zip(worker_ids, workers, strict=True)
     }
-    ids = pick_replica_ids(worker_ids, args.replicas)
+    ids = pick_replica_ids(worker_ids, args.replicas, args.gateway_procs)
+    every = members(ids, args.gateway_procs)
     token = secrets.token_urlsafe(18)
     console.print(f"starting gateway replicas {', '.join(ids)}...")
     gws: list[Gateway] = []
     for rid in ids:
-        gw = start_gateway(log_dir, redis_url, cluster, rid, token, args.gateway_log_level)
+        level = args.gateway_log_level
+        gw = start_gateway(log_dir, redis_url, cluster, rid, token, level, args.gateway_procs)
         gws.append(gw)
         procs.append(gw.proc)
     wait_for(
-        lambda: all(len(g.get("/admin/leases", admin=True).json()["live_replicas"]) == len(ids) for g in gws),
-        30,
+        lambda: all(
+            len(g.get("/admin/leases", admin=True).json()["live_replicas"]) >= len(every) for g in gws
+        ),
+        60,
         "every replica live",
     )
     r = gws[0].post("/admin/workers", {"workers": ",".join(worker_ids)})
     r.raise_for_status()
 
     def ready() -> bool:
-        owned: list[str] = []
         for g in gws:
             resp = g.get("/readyz")
             body = resp.json()
@@ -199,11 +211,10 @@ def setup_cluster(
                 return False
             if any(h != "up" for h in body["workers"].values()):
                 return False
-            owned += body["owned"]
-        return sorted(owned) == sorted(worker_ids)
+        return set(owners(gws[0])) == set(worker_ids)
 
-    wait_for(ready, 60, "both replicas ready, every worker up and owned")
-    results["ownership"] = {g.replica_id: g.get("/readyz").json()["owned"] for g in gws}
+    wait_for(ready, 60, "every replica ready, every worker up and owned")
+    results["ownership"] = owners(gws[0])
     if args.schedule == "direct":
         # The cluster-wide runtime config (one transaction; both replicas apply it on their next
         # config refresh, waited for below): one request per batch, and no in-flight cap holding
@@ -220,6 +231,12 @@ def setup_cluster(
 
         wait_for(applied, 30, "both replicas on the direct schedule")
     return gws, workers
+
+
+def owners(gw: Gateway) -> dict[str, str]:
+    """Worker -> the member holding its owner lease (cluster-wide, whichever process answers)."""
+    body = gw.get("/admin/leases", admin=True).json()
+    return {w: o["holder"] for w, o in body["owners"].items() if o}
 
 
 def redis_ping_hist(gws: list[Gateway]) -> dict[str, float]:

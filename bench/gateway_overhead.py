@@ -59,6 +59,7 @@ from _gw_cluster import (
     TARGETS,
     WORKER_ARGS,
     Gateway,
+    owners,
     redis_ping_hist,
     setup_cluster,
     wait_for,
@@ -102,6 +103,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     plan = QUICK if args.quick else FULL
     if args.concurrency:
         plan = replace(plan, concurrency=tuple(int(c) for c in args.concurrency.split(",")))
+    if args.e2e_n:
+        plan = replace(plan, e2e_n=args.e2e_n)
     if args.no_open_loop:
         plan = replace(plan, open_s=0.0)
     return replace(plan, open_rate=args.rate) if args.rate else plan
@@ -202,14 +205,12 @@ class Bench:
         ids = {f"{w.info['role']}@{w.info['address']}" for w in self.workers if w.popen.poll() is None}
 
         def ready() -> bool:
-            owned: list[str] = []
             for g in self.gws:
                 resp = g.get("/readyz")
                 body = resp.json()
                 if resp.status_code != 200 or any(body["workers"].get(w) != "up" for w in ids):
                     return False
-                owned += body["owned"]
-            return ids <= set(owned)
+            return ids <= set(owners(self.gws[0]))
 
         wait_for(ready, timeout, f"the cluster to be ready before {phase}", interval=0.25)
         return round(time.monotonic() - t0, 2)
@@ -521,6 +522,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--gateway-procs", type=int, default=1, help="processes per replica (SO_REUSEPORT, default 1)"
     )
     p.add_argument("--concurrency", default=None, help="closed-loop clients, comma-separated (1,32,128)")
+    p.add_argument("--e2e-n", type=int, default=None, help="sequential requests each way (200; --quick 50)")
     p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop phase")
     p.add_argument(
         "--py-spy",
