@@ -121,8 +121,7 @@ def start_gateway(
         redis_url,
         "--log-level",
         log_level,
-        "--procs",
-        str(procs),
+        *(["--procs", str(procs)] if procs > 1 else []),
     ]
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
