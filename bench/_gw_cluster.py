@@ -12,12 +12,13 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 from _harness import (
+    DEFAULT_OUT,
     ROOT,
     Proc,
     console,
@@ -41,6 +42,93 @@ WORKER_ARGS = ["--profile", "formula", "--formula", "0", "--time-scale", "0.001"
 # ms, and any queueing under load would expire the KV before decode fetches it (a re-prefill, i.e.
 # noise). 10,000,000 modelled ms = 10 wall s; decode fetches (and frees) it long before that.
 KV_TTL_ARGS = ["--kv-handle-ttl-ms", "10000000"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    open_rate: float = 100.0
+    open_s: float = 20.0
+    e2e_n: int = 200
+    closed_s: float = 10.0
+    concurrency: tuple[int, ...] = (1, 32, 128)
+    idle_s: float = 5.0
+    warmup: int = 20
+
+
+FULL = Plan()
+QUICK = Plan(open_s=5.0, e2e_n=50, closed_s=3.0, warmup=10)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    plan = QUICK if args.quick else FULL
+    if args.concurrency:
+        plan = replace(plan, concurrency=tuple(int(c) for c in args.concurrency.split(",")))
+    if args.e2e_n:
+        plan = replace(plan, e2e_n=args.e2e_n)
+    if args.no_open_loop:
+        plan = replace(plan, open_s=0.0)
+    return replace(plan, open_rate=args.rate) if args.rate else plan
+
+
+def parse_args(argv: Sequence[str] | None, doc: str | None) -> argparse.Namespace:
+    """The bench's command line (bench/gateway_overhead.py)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="short phases (5 s open loop, 50 sequential, 3 s closed)",
+    )
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="directory for results.json and summary.md",
+    )
+    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
+    p.add_argument(
+        "--gateway-log-level",
+        default="INFO",
+        help="gateway --log-level (product default INFO)",
+    )
+    p.add_argument("--rate", type=float, default=None, help="open-loop rate in req/s (default 100)")
+    p.add_argument(
+        "--schedule",
+        choices=["direct", "batching"],
+        default="direct",
+        help="direct (default): each request its own batch, dispatched at once, as issue #4 measures "
+        "the path; batching: the product's default batcher (fixed window, at most 2 batches in flight "
+        "per worker, so a request can wait for a batch to finish: batching policy, not hand-off)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="gateway replicas (default 2)")
+    p.add_argument("--prefill", type=int, default=2, help="zero-time prefill workers (default 2)")
+    p.add_argument("--decode", type=int, default=2, help="zero-time decode workers (default 2)")
+    p.add_argument(
+        "--gateway-procs",
+        type=int,
+        default=1,
+        help="processes per replica (SO_REUSEPORT, default 1)",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        help="closed-loop clients, comma-separated (1,32,128)",
+    )
+    p.add_argument(
+        "--e2e-n",
+        type=int,
+        default=None,
+        help="sequential requests each way (200; --quick 50)",
+    )
+    p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop phase")
+    p.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        help="record each gateway process with py-spy (collapsed stacks) during the sequential and "
+        "closed-loop phases into this folder",
+    )
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args(argv)
 
 
 def wait_for(cond: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
@@ -93,7 +181,13 @@ class Gateway:
 
 
 def start_gateway(
-    log_dir: Path, redis_url: str, cluster: str, replica_id: str, token: str, log_level: str, procs: int = 1
+    log_dir: Path,
+    redis_url: str,
+    cluster: str,
+    replica_id: str,
+    token: str,
+    log_level: str,
+    procs: int = 1,
 ) -> Gateway:
     """`flexlb gateway` with no workers; returns once /healthz answers (bounded)."""
     port = free_port()
@@ -125,7 +219,12 @@ def start_gateway(
     ]
     with open(log_path, "wb") as out:
         popen = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
     gw = Gateway(Proc(f"gateway {replica_id}", popen, log_path), port, replica_id, token)
     deadline = time.monotonic() + 45
@@ -171,7 +270,12 @@ def pick_replica_ids(worker_ids: Sequence[str], n: int = 2, procs: int = 1) -> t
 
 
 def setup_cluster(
-    args: argparse.Namespace, log_dir: Path, redis_url: str, cluster: str, procs: list[Proc], results: dict
+    args: argparse.Namespace,
+    log_dir: Path,
+    redis_url: str,
+    cluster: str,
+    procs: list[Proc],
+    results: dict,
 ) -> tuple[list[Gateway], list[Proc]]:
     """Workers, then `--replicas` worker-less replicas; workers registered once all are live."""
     console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")

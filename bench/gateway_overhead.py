@@ -48,7 +48,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +58,10 @@ from _gw_cluster import (
     TARGETS,
     WORKER_ARGS,
     Gateway,
+    Plan,
+    make_plan,
     owners,
+    parse_args,
     redis_ping_hist,
     setup_cluster,
     wait_for,
@@ -67,7 +69,6 @@ from _gw_cluster import (
 from _gw_loadgen import OPEN_LOOP_MAX_INFLIGHT, REQUEST_TIMEOUT_S, LoadGen
 from _gw_report import render, summary_md
 from _harness import (
-    DEFAULT_OUT,
     CpuMeter,
     Proc,
     console,
@@ -76,6 +77,7 @@ from _harness import (
     r3,
     stop_on_sigterm,
 )
+from gw_profile import Profiler
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -84,82 +86,6 @@ def errors_of(codes: dict[str, int]) -> dict[str, int]:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Plan:
-    open_rate: float = 100.0
-    open_s: float = 20.0
-    e2e_n: int = 200
-    closed_s: float = 10.0
-    concurrency: tuple[int, ...] = (1, 32, 128)
-    idle_s: float = 5.0
-    warmup: int = 20
-
-
-FULL = Plan()
-QUICK = Plan(open_s=5.0, e2e_n=50, closed_s=3.0, warmup=10)
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    plan = QUICK if args.quick else FULL
-    if args.concurrency:
-        plan = replace(plan, concurrency=tuple(int(c) for c in args.concurrency.split(",")))
-    if args.e2e_n:
-        plan = replace(plan, e2e_n=args.e2e_n)
-    if args.no_open_loop:
-        plan = replace(plan, open_s=0.0)
-    return replace(plan, open_rate=args.rate) if args.rate else plan
-
-
-class Profiler:
-    """`py-spy record` on every gateway process for one phase (collapsed stacks, one file per
-    process and phase), when `--py-spy DIR` asks for it; see docs/benchmarks.md for the
-    per-stage breakdown read from these files."""
-
-    def __init__(self, out: Path | None, pids: list[int]) -> None:
-        self.out = out
-        self.pids = pids
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Any:
-        if self.out is None:
-            yield
-            return
-        import subprocess
-
-        self.out.mkdir(parents=True, exist_ok=True)
-        spies = [
-            subprocess.Popen(
-                [
-                    str(Path(sys.executable).with_name("py-spy")),
-                    "record",
-                    "--pid",
-                    str(pid),
-                    "--rate",
-                    "250",
-                    "--format",
-                    "raw",
-                    "--nonblocking",
-                    "--output",
-                    str(self.out / f"{name}-{pid}.txt"),
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            for pid in self.pids
-        ]
-        time.sleep(0.5)  # py-spy attaches before the phase starts
-        try:
-            yield
-        finally:
-            for sp in spies:
-                sp.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-            for sp in spies:
-                try:
-                    sp.wait(15)
-                except Exception:
-                    sp.kill()
-
-
 class Bench:
     def __init__(
         self,
@@ -182,6 +108,7 @@ class Bench:
         self.worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
         self.incidents: list[dict[str, Any]] = []
         self._dead: set[int] = set()
+        self.idle_gw_cores = 0.0  # the gateways' background loops, from `idle_rate`
 
     def phase(self, name: str, fn: Any, *args: Any) -> Any:
         """Run one measured phase: settle first, then note whether a process died during it."""
@@ -227,7 +154,12 @@ class Bench:
                 self._dead.add(p.pid)
                 tail = p.log_tail(600).strip().replace("\n", " | ")
                 self.incidents.append(
-                    {"seen": when, "process": f"{p.name} {p.pid}", "rc": p.popen.returncode, "log_tail": tail}
+                    {
+                        "seen": when,
+                        "process": f"{p.name} {p.pid}",
+                        "rc": p.popen.returncode,
+                        "log_tail": tail,
+                    }
                 )
                 console.print(f"[red]{when}: {p.name} ({p.pid}) exited rc={p.popen.returncode}")
                 if p.name.startswith("gateway"):
@@ -269,6 +201,7 @@ class Bench:
             (b["redis_commands_total"] - a["redis_commands_total"]) / (t1 - t0)
             for a, b in zip(s0, s1, strict=True)
         ]
+        self.idle_gw_cores = (c1["gateways"] - c0["gateways"]) / (t1 - t0)
         return {
             **self.cores(c0, c1),
             "window_s": r3(t1 - t0),
@@ -380,6 +313,14 @@ class Bench:
             "direct_errors": errors_of(res["direct_codes"]),
             "unloaded_origin_p50_ms": r3(pct(origin, 50)),
             "unloaded_handoff_p50_ms": r3(pct(handoff, 50)),
+            # the gateways are idle while the direct requests run: all their CPU is the n requests'
+            "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / len(g)) if g else None,
+            "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / len(g)) if g else None,
+            "gateway_cpu_ms_per_req_net": r3(
+                (c1["gateways"] - c0["gateways"] - self.idle_gw_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
+            )
+            if g
+            else None,
             **self.cores(c0, c1),
         }
 
@@ -416,6 +357,7 @@ class Bench:
                     "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / ok)
                     if ok
                     else None,
+                    "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / ok) if ok else None,
                     **self.cores(c0, c1),
                     "settle_s": settle_s,
                     "deaths_during": self.check_alive(f"after closed loop at {c} clients") - before,
@@ -485,10 +427,17 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         exits: dict[str, dict[str, Any]] = {}
         gw_procs = [p for p in procs if p.name.startswith("gateway")]
         others = [p for p in procs if not p.name.startswith("gateway")]
-        for group in (gw_procs, others):  # gateways first: they leave the cluster cleanly
+        for group in (
+            gw_procs,
+            others,
+        ):  # gateways first: they leave the cluster cleanly
             with ThreadPoolExecutor(max(1, len(group))) as ex:
                 for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
-                    exits[f"{p.name} {p.pid}"] = {"rc": rc, "stop_s": p.stop_s, "hung": p.hung}
+                    exits[f"{p.name} {p.pid}"] = {
+                        "rc": rc,
+                        "stop_s": p.stop_s,
+                        "hung": p.hung,
+                    }
         results["shutdown"] = exits
         if emb is not None:
             emb.stop()
@@ -496,47 +445,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
 
 
 # ---- main ---------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--quick", action="store_true", help="short phases (5 s open loop, 50 sequential, 3 s closed)"
-    )
-    p.add_argument(
-        "--output", type=Path, default=DEFAULT_OUT, help="directory for results.json and summary.md"
-    )
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--gateway-log-level", default="INFO", help="gateway --log-level (product default INFO)")
-    p.add_argument("--rate", type=float, default=None, help="open-loop rate in req/s (default 100)")
-    p.add_argument(
-        "--schedule",
-        choices=["direct", "batching"],
-        default="direct",
-        help="direct (default): each request its own batch, dispatched at once, as issue #4 measures "
-        "the path; batching: the product's default batcher (fixed window, at most 2 batches in flight "
-        "per worker, so a request can wait for a batch to finish: batching policy, not hand-off)",
-    )
-    p.add_argument("--replicas", type=int, default=2, help="gateway replicas (default 2)")
-    p.add_argument("--prefill", type=int, default=2, help="zero-time prefill workers (default 2)")
-    p.add_argument("--decode", type=int, default=2, help="zero-time decode workers (default 2)")
-    p.add_argument(
-        "--gateway-procs", type=int, default=1, help="processes per replica (SO_REUSEPORT, default 1)"
-    )
-    p.add_argument("--concurrency", default=None, help="closed-loop clients, comma-separated (1,32,128)")
-    p.add_argument("--e2e-n", type=int, default=None, help="sequential requests each way (200; --quick 50)")
-    p.add_argument("--no-open-loop", action="store_true", help="skip the open-loop phase")
-    p.add_argument(
-        "--py-spy",
-        type=Path,
-        default=None,
-        help="record each gateway process with py-spy (collapsed stacks) during the sequential and "
-        "closed-loop phases into this folder",
-    )
-    p.add_argument("--seed", type=int, default=1)
-    return p.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     out_dir: Path = args.output
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

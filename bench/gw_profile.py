@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-from collections.abc import Sequence
+import contextlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 # (stage, substrings of a frame): the first frame from the leaf that matches any rule decides
@@ -77,7 +82,10 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("metrics", ("prometheus_client/", "app/metrics.py")),
-    ("background loops (membership, polls, leases)", ("app/cluster/", "app/gateway/", "replica.py")),
+    (
+        "background loops (membership, polls, leases)",
+        ("app/cluster/", "app/gateway/", "replica.py"),
+    ),
     ("other threads", ("Thread.run",)),
 ]
 OTHER = "event loop + other"
@@ -106,7 +114,10 @@ def breakdown(files: Sequence[Path]) -> tuple[int, collections.Counter[str]]:
 
 def table(files: Sequence[Path], cpu_ms: float | None) -> str:
     total, by = breakdown(files)
-    rows = ["| stage | share of samples |" + (" ms CPU / request |" if cpu_ms else ""), "|---|---:|"]
+    rows = [
+        "| stage | share of samples |" + (" ms CPU / request |" if cpu_ms else ""),
+        "|---|---:|",
+    ]
     if cpu_ms:
         rows[1] += "---:|"
     for stage in [s for s, _ in RULES] + [OTHER]:
@@ -117,6 +128,54 @@ def table(files: Sequence[Path], cpu_ms: float | None) -> str:
         rows.append(row)
     rows.append(f"| (samples) | {total} |" + (f" {cpu_ms:.2f} |" if cpu_ms else ""))
     return "\n".join(rows)
+
+
+class Profiler:
+    """`py-spy record` on every gateway process for one phase (collapsed stacks, one file per
+    process and phase), when `--py-spy DIR` asks for it; see docs/benchmarks.md for the
+    per-stage breakdown read from these files."""
+
+    def __init__(self, out: Path | None, pids: list[int]) -> None:
+        self.out = out
+        self.pids = pids
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.out is None:
+            yield
+            return
+        self.out.mkdir(parents=True, exist_ok=True)
+        spies = [
+            subprocess.Popen(
+                [
+                    str(Path(sys.executable).with_name("py-spy")),
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--rate",
+                    "250",
+                    "--format",
+                    "raw",
+                    "--nonblocking",
+                    "--output",
+                    str(self.out / f"{name}-{pid}.txt"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for pid in self.pids
+        ]
+        time.sleep(0.5)  # py-spy attaches before the phase starts
+        try:
+            yield
+        finally:
+            for sp in spies:
+                sp.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            for sp in spies:
+                try:
+                    sp.wait(15)
+                except Exception:
+                    sp.kill()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import threading
+import time
 
 import pytest
 
@@ -26,8 +27,15 @@ def json_logs():
 
 
 def _lines(out: io.StringIO) -> list[dict]:
-    L.flush_logs()
     return [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def _written(out: io.StringIO, n: int) -> list[dict]:
+    """The lines once the writer thread wrote `n` (bounded poll: it wakes every 50 ms)."""
+    deadline = time.monotonic() + 5
+    while len(lines := _lines(out)) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return lines
 
 
 def test_lines_are_written_by_the_listener_thread_with_the_values_at_log_time(json_logs) -> None:
@@ -49,7 +57,7 @@ def test_lines_are_written_by_the_listener_thread_with_the_values_at_log_time(js
             raise ValueError("boom")
         except ValueError:
             logging.getLogger("flexlb.test").exception("failed", extra={"event": "failed"})
-        lines = _lines(json_logs)
+        lines = _written(json_logs, 2)
     finally:
         L.JsonFormatter.format = fmt  # type: ignore[method-assign]
     assert seen and threading.main_thread().name not in seen, seen
@@ -57,6 +65,13 @@ def test_lines_are_written_by_the_listener_thread_with_the_values_at_log_time(js
     assert first["msg"] == "request r1 ['queued']" and first["event"] == "queued"
     assert first["request_id"] == "r1" and first["timings"] == {"a": 1}
     assert second["event"] == "failed" and "ValueError: boom" in second["exc"]
+
+
+def test_flush_writes_what_is_queued_at_once(json_logs) -> None:
+    for i in range(3):
+        logging.getLogger("flexlb.test").info("line %d", i)
+    L.flush_logs()  # a forced exit calls this right before os._exit
+    assert [x["msg"] for x in _lines(json_logs)][-3:] == ["line 0", "line 1", "line 2"]
 
 
 def test_lifecycle_sampling_is_per_request_and_deterministic() -> None:
