@@ -147,6 +147,7 @@ class Gateway:
     port: int
     replica_id: str
     token: str
+    procs: int = 1  # serving processes (`--gateway-procs`), each a replica `<id>.<k>`
 
     @property
     def url(self) -> str:
@@ -172,12 +173,27 @@ class Gateway:
         return httpx.put(self.url + path, json=body, headers=headers, timeout=timeout)
 
     def stats(self, reset: bool = False) -> dict[str, Any]:
-        if reset:  # state changes are POSTs
-            r = self.post("/admin/stats/reset", {}, timeout=10.0)
-        else:
-            r = self.get("/admin/stats", admin=True, timeout=10.0)
-        r.raise_for_status()
-        return r.json()  # type: ignore[no-any-return]
+        """The replica's samples and Redis count; with `--gateway-procs`, every process's, summed
+        (each call is a new connection, which the kernel gives to any process of the port)."""
+        seen: dict[str, dict[str, Any]] = {}
+        for _ in range(20 * self.procs):
+            if reset:  # state changes are POSTs
+                r = self.post("/admin/stats/reset", {}, timeout=10.0)
+            else:
+                r = self.get("/admin/stats", admin=True, timeout=10.0)
+            r.raise_for_status()
+            body = r.json()
+            seen.setdefault(body["replica"], body)
+            if len(seen) >= self.procs:
+                break
+        if len(seen) < self.procs:
+            raise RuntimeError(f"stats of {len(seen)} of {self.procs} processes of {self.replica_id}")
+        out: dict[str, Any] = {"replica": self.replica_id, "redis_commands_total": 0, "samples": {}}
+        for body in seen.values():
+            out["redis_commands_total"] += body["redis_commands_total"]
+            for name, vals in body["samples"].items():
+                out["samples"].setdefault(name, []).extend(vals)
+        return out
 
 
 def start_gateway(
@@ -226,7 +242,7 @@ def start_gateway(
             env=env,
             start_new_session=True,
         )
-    gw = Gateway(Proc(f"gateway {replica_id}", popen, log_path), port, replica_id, token)
+    gw = Gateway(Proc(f"gateway {replica_id}", popen, log_path), port, replica_id, token, procs)
     deadline = time.monotonic() + 45
     while time.monotonic() < deadline:
         if popen.poll() is not None:

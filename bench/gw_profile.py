@@ -86,15 +86,19 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         "background loops (membership, polls, leases)",
         ("app/cluster/", "app/gateway/", "replica.py"),
     ),
-    ("other threads", ("Thread.run",)),
+    ("other threads (native code only: gRPC's poller, most likely)", ("Thread.run",)),
 ]
-OTHER = "event loop + other"
+OTHER = "event loop (uvloop's native I/O and callbacks) + other"
 
 
 def stage_of(stack: str) -> str:
     for frame in reversed(stack.split(";")):
         for stage, subs in RULES:
             if any(s in frame for s in subs):
+                if stage.startswith("gRPC (") and "WorkerClient.prefill" in stack:
+                    return "gRPC prefill"  # its stream's set-up and I/O count to the call
+                if stage.startswith("gRPC (") and "WorkerClient.decode" in stack:
+                    return "gRPC decode"
                 return stage
     return OTHER
 
