@@ -44,9 +44,13 @@ def reuseport_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: libc, loaded before any fork: the child between fork and exec only calls into it (no import,
+#: no dlopen there, where a lock held by another thread of the parent could never be released).
+_LIBC = ctypes.CDLL(None, use_errno=True)
+
+
 def _die_with_parent() -> None:  # pragma: no cover (runs in the child between fork and exec)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ServingProcs:
