@@ -76,7 +76,7 @@ _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 _SLOW = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ORIGIN_OVERHEAD = Histogram(
     "flexlb_origin_overhead_seconds",
-    "Origin scheduling work: request arrival to hand-off appended",
+    "Origin work: HTTP request arrival (before its body is read) to hand-off appended",
     buckets=_FAST,
     registry=REGISTRY,
 )

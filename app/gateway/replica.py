@@ -449,11 +449,16 @@ class Replica:
                     log.error("redis unreachable: %s", exc)
                 self.redis_ok, self.redis_reason = False, str(exc) or type(exc).__name__
                 M.REDIS_UP.set(0)
-            delta = self.store.commands_total - self._commands_exported
+            delta = self.redis_commands_total - self._commands_exported
             if delta > 0:
                 M.REDIS_COMMANDS.inc(delta)
                 self._commands_exported += delta
             await asyncio.sleep(0.5)
+
+    @property
+    def redis_commands_total(self) -> int:
+        """Every command this replica issued: the store's and the reply inbox's blocking reads."""
+        return self.store.commands_total + self.replies.commands_total
 
     async def _rebuild(self, new_epoch: str) -> None:
         """Redis lost everything: put back what this replica knows (registry) and make owners
