@@ -688,14 +688,21 @@ def assert_gone(c: Cluster, rid: str) -> None:
 def test_cancel_in_queue_in_prefill_and_in_decode(pair: Cluster, workers_reset, how: str) -> None:
     a = pair.a
     set_config(pair, prefill_strategy="round_robin")  # a's picks: worker 1, worker 2, worker 1, ...
-    configure_prefill(pair, formula="4000")  # slow enough that blocker 1 still runs on a busy host
+    # Blocker 1 runs until it is cancelled (30 s modelled), blocker 2 on the other worker ends by
+    # itself (8 s): a fixed 4 s blocker 1 had finished before its cancel at load ~20.
+    configure_prefill(pair, formula="30000")
     try:
         b1, b2, victim = uid("blocker1"), uid("blocker2"), uid("queued")
         calls = {}
         for rid in (b1, b2, victim):
             calls[rid] = RawCall(a, "/v1/generate", {"prompt": rid, "max_new_tokens": 4, "request_id": rid})
             want = "queued" if rid == victim else "running"
-            wait_for(lambda rid=rid, want=want: prefill_phase(pair, rid) == want, 5, what=f"{rid} {want}")
+            wait_for(lambda rid=rid, want=want: prefill_phase(pair, rid) == want, 30, what=f"{rid} {want}")
+            if rid == b1:
+                w1 = engine_holds(pair, b1)[0].rsplit(":", 1)[0]
+                for wid in pair.prefill:
+                    if wid != w1:
+                        assert worker_call(pair.address[wid], "configure", formula="8000").get("ok")
 
         # in queue: behind blocker 1 on the same worker
         cancel(pair, calls[victim], victim, how)
@@ -709,7 +716,7 @@ def test_cancel_in_queue_in_prefill_and_in_decode(pair: Cluster, workers_reset, 
                 status, body = calls[rid].response(5)
                 assert status == 499 and json.loads(body)["error"]["code"] == "cancelled", body
         # the neighbour was not disturbed
-        status, body = calls[b2].response(15)
+        status, body = calls[b2].response(30)
         assert status == 200 and len(json.loads(body)["output_ids"]) == 4
 
         # in decode: a long generation streaming tokens (decode at time scale 1)
