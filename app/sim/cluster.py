@@ -461,6 +461,11 @@ class ClusterSim:
         if max_new == 1:
             st.t_end = self.now
             self._complete(i)
+            # No decode will fetch this KV: the live origin unpins it at once (`Pipeline.run`,
+            # max_new_tokens == 1). Left to the handle's 30 s expiry, prefill-only traffic pinned
+            # the prefill workers' KV full and stalled their engines behind predictions that
+            # could not see it (late TTFTs on trace_30min, half of it prefill-only).
+            self._push(self.now + self.cfg.reply_latency_ms, _RELEASE, w, r.request_id)
             return
         d = st.decode
         eng = self.deng[d]
