@@ -132,7 +132,9 @@ def test_large_fleet_shortlist_runs() -> None:
     recs = ClusterSim(t, cfg, "cost", bc).run().records
     assert sum(r.error is None for r in recs) == 600
     assert sum(r.cached_tokens for r in recs) > 0
-    assert len({r.prefill_worker for r in recs}) > 30
+    # Spread over the fleet: every one of the 30 prefix groups gets a worker of its own (cost keeps
+    # a group on its holder while the holder's backlog is within twice what the prefix saves).
+    assert len({r.prefill_worker for r in recs}) >= 30
 
 
 def test_fast_match_equals_live_mirror() -> None:
