@@ -634,3 +634,37 @@ def test_the_simulator_runs_declared_policies_with_their_batching() -> None:
     ]
     with pytest.raises(ValueError, match=r"known: cost, least_load, prefix, random, round_robin$"):
         parse_policies("direct_cost", "fixed_window")
+
+
+def test_second_look_reranks_the_pick_and_runner_up_on_fresh_load() -> None:
+    # Two replicas' snapshot says A and B are idle; in fact another replica just queued 500 ms on
+    # A. The stale pick is A or B at random; the second look moves a stale A pick to B, and never
+    # moves a request off B.
+    q = pq(2000)
+    stale = [pw("A"), pw("B"), pw("C", owed_ms=900.0)]
+    live = {"A": (500.0, 0.0), "B": (0.0, 0.0), "C": (0.0, 900.0)}
+    pol = cost_policy(LINEAR)
+    r = rng(3)
+    firsts, finals = set(), set()
+    for _ in range(40):
+        first = pol.choose(q, stale, r)
+        firsts.add(first.worker_id)
+        finals.add(pol.second_look(q, stale, first, live.__getitem__, r).worker_id)
+    assert firsts == {"A", "B"}
+    assert finals == {"B"}
+
+
+def test_second_look_ranks_by_the_policy_so_a_cache_holder_keeps_its_prompt() -> None:
+    # Fresh load says the holder A owes 200 ms more than B: finish time alone would move the prompt
+    # (56.4 + 200 > 210 + 21), but the policy's own ranking counts the prefix for its follow-ups
+    # (56.4 + 200 - 307.2 < 210), so the second look keeps it where `choose` put it.
+    q = pq(2000, {"A": 6})
+    views = [pw("A"), pw("B")]
+    live = {"A": (0.0, 200.0), "B": (0.0, 0.0)}
+    pol = cost_policy(LINEAR)
+    first = pol.choose(q, views, rng())
+    assert first.worker_id == "A"
+    assert pol.second_look(q, views, first, live.__getitem__, rng()).worker_id == "A"
+    # A backlog beyond what the prefix is worth moves it.
+    far = {"A": (0.0, 600.0), "B": (0.0, 0.0)}
+    assert pol.second_look(q, views, first, far.__getitem__, rng()).worker_id == "B"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,7 +37,15 @@ from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.plugins import registry
 from app.scheduling.plugins.registry import BuildContext, Candidates, Filter, Picker, Scorer
-from app.scheduling.routing import DECODE, PREFILL, Choice, DecodeQuery, WorkerView, decode_headroom
+from app.scheduling.routing import (
+    DECODE,
+    PREFILL,
+    Choice,
+    DecodeQuery,
+    NoWorker,
+    WorkerView,
+    decode_headroom,
+)
 
 __all__ = [
     "BATCHING_MODES",
@@ -286,6 +294,38 @@ class Policy:
         hit = c.hits[i]
         predicted = self.formula.predict_one(q.input_tokens, hit) if self.formula is not None else 0.0
         return Choice(wid, hit_tokens=hit, predicted_ms=predicted, score=score, reason=reason)
+
+    def second_look(
+        self,
+        q: Any,
+        workers: Sequence[WorkerView],
+        first: Choice,
+        fresh: Callable[[str], tuple[float, float]],
+        rng: random.Random,
+    ) -> Choice:
+        """Power of two choices on fresh load, for a prefill policy with scorers: this policy's pick
+        ``first`` (made on a snapshot that may be a poll old) and its runner-up over ``workers``
+        are ranked again by this same policy with each one's (queued ms, owed ms) as ``fresh``
+        reads them now (the shared state every replica writes), and the better goes. Replicas that
+        route on the same stale snapshot would otherwise all send their requests to the worker
+        that looked idlest until the next poll (herding). The runner-up is drawn with ``rng`` as
+        any choice is; in a near-tie the picker's own tie-breakers (the longest cached prefix)
+        decide, so a cache holder keeps its prompt. Pure: ``fresh`` is the caller's read."""
+        if self.role != PREFILL or not self.scorers:
+            return first
+        rest = [w for w in workers if w.id != first.worker_id]
+        mine = [w for w in workers if w.id == first.worker_id]
+        if not rest or not mine:
+            return first
+        try:
+            alt = self.choose(q, rest, rng)
+        except NoWorker:
+            return first
+        pair = []
+        for w in (mine[0], next(v for v in rest if v.id == alt.worker_id)):
+            queued, owed = fresh(w.id)
+            pair.append(replace(w, queued_ms=queued, owed_ms=owed))
+        return self.choose(q, pair, rng)
 
     def rank_decode(self, workers: Sequence[WorkerView]) -> tuple[list[int], list[int]]:
         """For the simulator's decode shortlist: indices of all ``workers`` (unfiltered) best first by

@@ -305,8 +305,8 @@ class ClusterSim:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
-        if self.cfg.fresh_pick and rep.peer is None and rep.pstrat.name == "cost":
-            choice = rep.fresh_pick(q, choice, self._live_load)
+        if self.cfg.fresh_pick and rep.peer is None:
+            choice = rep.fresh_pick(q, choice, self._fresh_loads)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
@@ -355,6 +355,13 @@ class ClusterSim:
             drop_late=slo and adm.drop_late == "always",
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
+
+    def _fresh_loads(self, wid: str) -> tuple[float, float]:
+        """(queued ms, owed ms) of a prefill worker as a round trip to the shared state reads them
+        now, every replica's hand-offs included (`Policy.second_look`'s ``fresh``)."""
+        w = self.pindex[wid]
+        ledger = self.ledger[w].values()
+        return self.queued_ms[w], owed_ms(((pred, start) for pred, start, _left in ledger), self.now)
 
     def _live_load(self, w: int) -> float:
         """What the hand-off script reads in its round trip: the ledger's owed ms now plus the

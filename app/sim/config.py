@@ -76,7 +76,8 @@ class SimConfig:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
     admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
-    # `cost` compares its pick and runner-up on fresh shared load (app/sim/cluster.py _fresh_pick).
+    # The prefill policy re-ranks its pick and runner-up on fresh shared load (`Policy.second_look`,
+    # power of two choices against herding); not in the live gateway yet, so off by default.
     fresh_pick: bool = False
     # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
     # and the decode engines' admission (reserve | expected: on use, with preemption).

@@ -96,21 +96,12 @@ class SimReplica:
         except NoWorker:
             return self.pstrat.choose(q, views, self.rng)
 
-    def fresh_pick(self, q: PrefillQuery, choice: Choice, live_load: Callable[[int], float]) -> Choice:
-        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
-        the strategy's pick and its runner-up by this replica's possibly stale view are compared
-        on the shared state as a hand-off script would read it, and the request goes where it is
-        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
-        views = [v for v in self.pviews if v.id != choice.worker_id]
-        try:
-            alt = self.pstrat.choose(q, views, self.rng)
-        except NoWorker:
-            return choice
-        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
-        ca = choice.predicted_ms + live_load(a)
-        cb = alt.predicted_ms + live_load(b)
-        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
-        return alt if cb < ca - tie else choice
+    def fresh_pick(
+        self, q: PrefillQuery, choice: Choice, fresh: Callable[[str], tuple[float, float]]
+    ) -> Choice:
+        """`Policy.second_look` (`SimConfig.fresh_pick`) over the candidates the choice was made
+        from, with ``fresh`` the shared state as a hand-off script would read it now."""
+        return self.pstrat.second_look(q, self.pviews, choice, fresh, self.rng)
 
     def _refresh_pool(self) -> None:
         self.routed_since_pool = 0
