@@ -226,6 +226,18 @@ _BUILTIN = (
         summary="least reserved KV, then fewest running sequences",
     ),
     PolicyDef("random", DECODE, (), (), ("random", _NO_PARAMS), summary="uniform over workers that fit"),
+    # Peer router imitations (plugins/pickers/peer_imitations.py), for comparisons: the hotspot
+    # filter only when configured (off by default, as in the routers imitated), and (`Policy.peer`)
+    # no SLO admission, as they have none.
+    *(
+        PolicyDef(n, PREFILL, (("hotspot", _NO_PARAMS),), (), (n, _NO_PARAMS), summary=s)
+        for n, s in (
+            ("sglang_cache_aware", "imitates SGLang router's cache_aware (0.3 / 64 / 1.5)"),
+            ("vllm_cache_aware", "imitates vLLM router's cache_aware (0.5 / 32 / 1.1)"),
+            ("llmd_precise", "imitates llm-d: precise prefix + queue + KV-utilisation scorers 3:2:2"),
+            ("dynamo_kv", "imitates Dynamo's KV router: overlap x prefill blocks + active blocks"),
+        )
+    ),
     PolicyDef(
         "round_robin", DECODE, (), (), ("round_robin", _NO_PARAMS), summary="by id over workers that fit"
     ),
@@ -246,6 +258,7 @@ class Policy:
         "fit",
         "formula",
         "name",
+        "peer",
         "picker",
         "role",
         "scorers",
@@ -268,6 +281,15 @@ class Policy:
         )
         self.picker: Picker = registry.build("picker", d.picker[0], ctx, d.picker[1])
         self.sign = self.scorers[0][2] if self.scorers else 1.0
+        # A peer router imitation: drivers run it without FlexLB's SLO admission.
+        self.peer = bool(getattr(self.picker, "peer", False))
+
+    def finished(self, worker_id: str, q: Any) -> None:
+        """A prefill this policy routed (query ``q``) has finished on ``worker_id``: pickers that
+        count their own requests in flight (the peer imitations) take it off."""
+        done = getattr(self.picker, "finished", None)
+        if done is not None:
+            done(worker_id, q)
 
     def _utils(self, q: Any, c: Candidates) -> list[float] | None:
         if not self.scorers:

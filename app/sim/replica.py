@@ -22,7 +22,6 @@ from app.scheduling.routing import (
     current_loads,
     top_candidates,
 )
-from app.sim.peers import PEERS, make_peer
 
 if TYPE_CHECKING:
     from app.sim.cluster import ClusterSim
@@ -43,9 +42,9 @@ class SimReplica:
         self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
-        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
-        self.pstrat = sim.book.build(PREFILL, "cost" if self.peer else policy, sim.formula)
+        self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
+        # A peer router imitation (a registry picker) runs without FlexLB's admission.
+        self.peer = self.pstrat.peer
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
@@ -69,7 +68,7 @@ class SimReplica:
         """The prompt as the prefill policy sees it, as `Pipeline.choose_prefill` builds it: hits
         from the mirror's `match_fast` with this replica's speculative entries."""
         hits = self.mirror.match_fast(keys, now, self.spec) if keys else {}
-        return PrefillQuery(size, hits, self.bs)
+        return PrefillQuery(size, hits, self.bs, keys)
 
     def choose_prefill(self, q: PrefillQuery) -> Choice:
         """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
