@@ -4,7 +4,7 @@ For each workload (the shipped traces and a synthetic one), load, replica count 
 `flexlb simulate` run (the real routing, batching, admission and engine code on a virtual clock);
 prints one markdown table per workload and writes every figure to --output (JSON).
 
-    nice -n 10 .venv/bin/python bench/cliff.py --output bench_out/cliff
+    nice -n 10 .venv/bin/python bench/cliff.py --max-requests 2000 --output bench_out/cliff
 
 Goodput % = requests whose TTFT met the SLO / all requests (a rejection counts as a miss).
 Capacity = the highest load of the sweep at which goodput ≥ 90 %.
@@ -36,6 +36,7 @@ LOADS = (0.5, 0.7, 1.0, 1.2, 1.5, 2.0)
 POLICIES = (
     "cost",  # the default: cost routing, window batching, SLO admission
     "cost@direct",
+    "cost+fresh",  # the default with Policy.second_look on fresh load (simulator only for now)
     "prefix",
     "least_load",
     "round_robin",
