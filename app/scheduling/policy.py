@@ -176,10 +176,11 @@ def batching_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | Non
 _NO_PARAMS: Params = {}
 # `cost` counts a cached prefix's saving again this many times on top of the finish time it
 # already shortens: greedy finish-time routing gave prefixes away for a few ms of load, and every
-# follow-up turn then paid the full prefill. Measured (bench/cliff.py, 2,000 requests, 8P+8D):
-# routed hit +1.5 to +2.5 points on both shipped traces and the synthetic workload, goodput
-# +0.5 to +1.4 points at load 2 with 4 replicas, none lower by more than noise; 2 and 3 measured
-# alike, 1 about half the gain.
+# follow-up turn then paid the full prefill. Measured (bench/cliff.py workloads, 2,000 requests,
+# 8P+8D, loads 1 and 2, 1 and 4 replicas): routed hit +1.6 to +2.9 points on conversation_trace,
+# +1.8 to +2.4 on trace_30min at load 1 (+0.1 at 2), +0.2 to +0.5 on the synthetic workload;
+# goodput +0.5 to +1.5 points at load 2 with 4 replicas, nowhere lower by more than 0.2 (noise);
+# weights 2 and 3 measured alike, 1 about half the gain.
 CACHE_VALUE = 2.0
 _BUILTIN = (
     PolicyDef(
