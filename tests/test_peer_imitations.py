@@ -7,7 +7,7 @@ import random
 
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.plugins import registry
-from app.scheduling.policy import PolicyBook, make_prefill_policy
+from app.scheduling.policy import Policy, PolicyBook
 from app.scheduling.routing import PrefillQuery, WorkerView
 from app.sim.cli import parse_policies
 from app.sim.cluster import ClusterSim
@@ -25,22 +25,30 @@ def workers(n: int = 4, **kw: object) -> list[WorkerView]:
     ]
 
 
+BOOK = PolicyBook(peers=True)
+
+
+def make_prefill_policy(name: str, **kw: object) -> Policy:
+    return BOOK.build("prefill", name, FORMULA, **kw)
+
+
 def test_registered_as_pickers_and_policies() -> None:
-    book = PolicyBook()
+    book = BOOK
     for name in PEERS:
         assert name in registry.names("picker", "prefill")
         assert name in book.names("prefill")
-        pol = make_prefill_policy(name, formula=FORMULA)
+        assert name not in PolicyBook().names("prefill")  # the live gateway's book
+        pol = make_prefill_policy(name)
         assert pol.peer
-    assert not make_prefill_policy("cost", formula=FORMULA).peer
+    assert not make_prefill_policy("cost").peer
     # Published defaults are parameters, overridable like any plugin's.
     assert registry.get("picker", "vllm_cache_aware").params["cache_threshold"] == 0.5
-    assert make_prefill_policy("sglang_cache_aware", formula=FORMULA, balance_abs=8).picker.balance_abs == 8
+    assert make_prefill_policy("sglang_cache_aware", balance_abs=8).picker.balance_abs == 8
     assert [s.name for s in parse_policies(",".join(PEERS), "window", book)] == list(PEERS)
 
 
 def test_cache_aware_follows_its_own_tree_and_balances_in_flight() -> None:
-    pol = make_prefill_policy("sglang_cache_aware", formula=FORMULA)
+    pol = make_prefill_policy("sglang_cache_aware")
     rng = random.Random(1)
     keys = (11, 12, 13, 14)
     q = PrefillQuery(4 * 64 + 10, {}, 64, keys)
@@ -59,7 +67,7 @@ def test_cache_aware_follows_its_own_tree_and_balances_in_flight() -> None:
 
 
 def test_dynamo_counts_its_in_flight_prefill_blocks() -> None:
-    pol = make_prefill_policy("dynamo_kv", formula=FORMULA)
+    pol = make_prefill_policy("dynamo_kv")
     rng = random.Random(0)
     q = PrefillQuery(640, {}, 64)
     picks = [pol.choose(q, workers(3), rng).worker_id for _ in range(3)]
@@ -70,7 +78,7 @@ def test_dynamo_counts_its_in_flight_prefill_blocks() -> None:
 
 
 def test_llmd_prefers_the_shorter_queue_and_the_prefix() -> None:
-    pol = make_prefill_policy("llmd_precise", formula=FORMULA)
+    pol = make_prefill_policy("llmd_precise")
     ws = [
         WorkerView("a", "prefill", kv_total_tokens=100_000, kv_free_tokens=100_000, queue_len=5),
         WorkerView("b", "prefill", kv_total_tokens=100_000, kv_free_tokens=100_000, queue_len=0),

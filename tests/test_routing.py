@@ -352,7 +352,7 @@ def test_decode_least_load_ranks_by_reserved_then_running() -> None:
 
 
 def test_make_strategy_errors_name_the_known_strategies() -> None:
-    with pytest.raises(ValueError, match="cost, dynamo_kv, least_load, llmd_precise, prefix, random"):
+    with pytest.raises(ValueError, match="cost, least_load, prefix, random, round_robin"):
         make_prefill_policy("fastest")
     with pytest.raises(ValueError, match="kv_headroom, least_load, random, round_robin"):
         make_decode_policy("cost")

@@ -52,6 +52,7 @@ __all__ = [
     "DECODE",
     "DEFAULT_DECODE_POLICY",
     "DEFAULT_PREFILL_POLICY",
+    "PEER_IMITATIONS",
     "PREFILL",
     "Policy",
     "PolicyBook",
@@ -227,21 +228,25 @@ _BUILTIN = (
         summary="least reserved KV, then fewest running sequences",
     ),
     PolicyDef("random", DECODE, (), (), ("random", _NO_PARAMS), summary="uniform over workers that fit"),
-    # Peer router imitations (plugins/pickers/peer_imitations.py), for comparisons: the hotspot
-    # filter only when configured (off by default, as in the routers imitated), and (`Policy.peer`)
-    # no SLO admission, as they have none.
-    *(
-        PolicyDef(n, PREFILL, (("hotspot", _NO_PARAMS),), (), (n, _NO_PARAMS), summary=s)
-        for n, s in (
-            ("sglang_cache_aware", "imitates SGLang router's cache_aware (0.3 / 64 / 1.5)"),
-            ("vllm_cache_aware", "imitates vLLM router's cache_aware (0.5 / 32 / 1.1)"),
-            ("llmd_precise", "imitates llm-d: precise prefix + queue + KV-utilisation scorers 3:2:2"),
-            ("dynamo_kv", "imitates Dynamo's KV router: overlap x prefill blocks + active blocks"),
-        )
-    ),
     PolicyDef(
         "round_robin", DECODE, (), (), ("round_robin", _NO_PARAMS), summary="by id over workers that fit"
     ),
+)
+
+
+# Peer router imitations (plugins/pickers/peer_imitations.py), for the simulator's comparisons
+# (`PolicyBook(peers=True)`, which `SimConfig.policy_book` builds): the hotspot filter only when
+# configured (off by default, as in the routers imitated), and (`Policy.peer`) no SLO admission,
+# as they have none. Not in the live gateway's book: they count their own requests in flight,
+# which only the simulator reports back to them (`Policy.finished`).
+PEER_IMITATIONS = tuple(
+    PolicyDef(n, PREFILL, (("hotspot", _NO_PARAMS),), (), (n, _NO_PARAMS), summary=s)
+    for n, s in (
+        ("sglang_cache_aware", "imitates SGLang router's cache_aware (0.3 / 64 / 1.5)"),
+        ("vllm_cache_aware", "imitates vLLM router's cache_aware (0.5 / 32 / 1.1)"),
+        ("llmd_precise", "imitates llm-d: precise prefix + queue + KV-utilisation scorers 3:2:2"),
+        ("dynamo_kv", "imitates Dynamo's KV router: overlap x prefill blocks + active blocks"),
+    )
 )
 
 
@@ -379,10 +384,11 @@ class PolicyBook:
     """The built-in policies plus those declared in the settings; builds `Policy` instances."""
 
     declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    peers: bool = False  # the peer imitations too (the simulator's book)
     defs: dict[tuple[str, str], PolicyDef] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.defs = {(d.role, d.name): d for d in _BUILTIN}
+        self.defs = {(d.role, d.name): d for d in (*_BUILTIN, *(PEER_IMITATIONS if self.peers else ()))}
         for name, raw in self.declared.items():
             d = PolicyDef.parse(name, raw)
             if (d.role, name) in self.defs:

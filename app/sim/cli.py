@@ -24,7 +24,7 @@ def parse_policies(spec: str, default_batching: str, book: PolicyBook | None = N
     """``cost,round_robin@direct`` → specs. A name is a prefill policy of ``book`` (built-in and
     declared in FLEXLB_POLICIES); ``@batching`` overrides its batching, which is the policy's own
     when it declares one, else ``default_batching``."""
-    book = book or PolicyBook()
+    book = book or PolicyBook(peers=True)
     known = book.names(PREFILL)
     out: list[PolicySpec] = []
     seen: set[str] = set()
@@ -80,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="cost,prefix,least_load,round_robin",
         help=(
-            "comma-separated prefill policies (built-in: " + ", ".join(PolicyBook().names(PREFILL)) + "; "
+            "comma-separated prefill policies (built-in: "
+            + ", ".join(PolicyBook(peers=True).names(PREFILL))
+            + "; "
             "more in FLEXLB_POLICIES), each optionally NAME@BATCHING "
             "(default: cost,prefix,least_load,round_robin)"
         ),

@@ -96,8 +96,9 @@ class SimConfig:
         self.admission.validate()
 
     def policy_book(self) -> PolicyBook:
-        """The policies a run may name: built-in plus declared (ValueError if a declared one is bad)."""
-        return PolicyBook(self.policies)
+        """The policies a run may name: built-in, the peer imitations and declared (ValueError if a
+        declared one is bad)."""
+        return PolicyBook(self.policies, peers=True)
 
     def gateway_formula(self) -> Formula:
         return gateway_formula(self.profile, self.formula or _settings().prefill_time_formula)
