@@ -20,6 +20,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 
@@ -96,11 +97,26 @@ def slow_prefill(pool, formula: str = "40") -> None:  # type: ignore[no-untyped-
 
 
 def finish(r: redis.Redis, keys: Keys, prefill: list[str], urls: list[str]) -> dict[str, int]:
-    assert_clean(r, keys, prefill, 6.0)
+    try:
+        assert_clean(r, keys, prefill, 6.0)
+    except AssertionError as exc:  # say who holds what is left: the first thing to know
+        raise AssertionError(f"{exc}; {queue_holders(r, keys, prefill)}") from None
     fresh = fresh_batch(urls)
     assert summary(fresh) == {"sent": 20, "ok": 20, "typed": 0, "hung": 0, "lost": 0}, fresh
     assert_clean(r, keys, prefill, 6.0)
     return summary(fresh)
+
+
+def queue_holders(r: redis.Redis, keys: Keys, prefill: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for w in prefill:
+        try:
+            pend = r.xpending_range(keys.queue(w), "owner", "-", "+", 5)
+        except redis.ResponseError:  # no stream or group
+            continue
+        if pend:
+            out[w] = {"lease": r.get(keys.owner_lease(w)), "pending": pend}
+    return out
 
 
 # ---- case 1 -------------------------------------------------------------------------------------
@@ -467,3 +483,81 @@ def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(worker
         a.stop()
         b.stop()
         ha.stop()
+
+
+# ---- case 5b's cause: a claim that fails part-way ------------------------------------------------
+async def test_a_claim_that_fails_part_way_is_taken_up_again(clients, shared_embedded_redis) -> None:
+    """Case 5b left entries pending for good: after Redis came back empty, the new owner's first
+    claim took the entries (XAUTOCLAIM) and then lost a pooled connection ("Connection closed by
+    server") reading the ledger; the entries stayed marked as handled by us, so every later claim
+    skipped them. Here the next claim must take them up and answer every one.
+
+    The fault is injected (the ledger read raises once): a connection dying exactly between two
+    given commands cannot be caused for real on demand. Redis, the worker and the owner are real."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from app.cluster.leases import Lease, acquire_leases
+    from app.dispatch.owner import OwnerDispatcher
+    from app.state.handoff import GROUP, Handoff, pack_tokens
+    from app.state.store import StateStore
+
+    p = clients["prefill"][0]
+    await p.configure(formula="5")
+    epoch = (await p.status())["epoch"]
+    keys = Keys(f"t-claim-{uuid.uuid4().hex[:6]}")
+    wid = f"prefill@{p.address}"
+    r = aioredis.from_url(shared_embedded_redis)
+    store = StateStore(r, keys)
+    await store.load_scripts()
+    handoff = Handoff(store)
+    await handoff.ensure_group(wid)
+    rids = [f"cl-{uuid.uuid4().hex[:8]}" for _ in range(5)]
+    for rid in rids:
+        meta = {"rid": rid, "origin": "gw-origin", "pred": 5.0}
+        await handoff.append(wid, meta, pack_tokens(np.arange(64) + len(rid)), 5.0, 1000)
+    # A previous owner read them and died: pending for its consumer.
+    await r.xreadgroup(GROUP, "gw-old", {keys.queue(wid): ">"}, count=100)
+    lease = Lease(keys.owner_lease(wid), "gw-new", 3000, 1000)
+    assert await acquire_leases(r, keys.fence_counter, [lease])
+    d = OwnerDispatcher(
+        wid, "gw-new", lease, store, p, shared_embedded_redis, epoch=lambda: epoch, reclaim_every_s=0.2
+    )
+    real_read = store.read_ledger
+    failures = [0]
+
+    async def read_ledger_failing_once(w: str):  # type: ignore[no-untyped-def]
+        if not failures[0]:
+            failures[0] += 1
+            raise RedisConnectionError("Connection closed by server.")
+        return await real_read(w)
+
+    store.read_ledger = read_ledger_failing_once  # type: ignore[method-assign]
+    renew = None
+    d.start()
+    try:
+
+        async def keep_lease() -> None:
+            while True:
+                await lease.renew(r)
+                await asyncio.sleep(0.5)
+
+        renew = asyncio.create_task(keep_lease())
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            pending = (await r.xpending(keys.queue(wid), GROUP))["pending"]
+            if not pending:
+                break
+            await asyncio.sleep(0.1)
+        assert failures[0] == 1
+        assert pending == 0, await r.xpending_range(keys.queue(wid), GROUP, "-", "+", 10)
+        replies = await r.xrange(keys.replies("gw-origin"))
+        got = {f[b"rid"].decode(): f[b"status"].decode() for _, f in replies}
+        assert got == dict.fromkeys(rids, "ok"), got
+    finally:
+        if renew is not None:
+            renew.cancel()
+        await d.stop()
+        await r.aclose()
