@@ -485,6 +485,81 @@ def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(worker
         ha.stop()
 
 
+# ---- the reconciler cancels a dead origin's engine work -----------------------------------------
+async def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
+    clients, shared_embedded_redis
+) -> None:
+    """The reconciler ends a dead origin's request `owner_lost` and cancels what still runs for it
+    on the engines (its output has no reader): a slow prefill batch and a long decode both end
+    `cancelled` at once instead of taking their slot and KV to the end."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from app.cluster.reconciler import Reconciler
+    from app.state.store import StateStore
+
+    p, d = clients["prefill"][0], clients["decode"][0]
+    await p.configure(formula="20000")  # 20 s per batch: only a cancel ends it early
+    await d.configure(profile="formula", formula="1", time_scale=1.0)
+    pe, de = (await p.status())["epoch"], (await d.status())["epoch"]
+    keys = Keys(f"t-eng-{uuid.uuid4().hex[:6]}")
+    r = aioredis.from_url(shared_embedded_redis)
+    store = StateStore(r, keys)
+    await store.load_scripts()
+    wp, wd = f"prefill@{p.address}", f"decode@{d.address}"
+    rp, rd = f"rp-{uuid.uuid4().hex[:8]}", f"rd-{uuid.uuid4().hex[:8]}"
+    dead = "gw-dead"
+    await store.create_request(rp, dead, {"prefill_worker": wp})
+    await store.create_request(rd, dead, {"decode_worker": wd})
+    await r.sadd(keys.origin_requests(dead), rp, rd)
+    await r.sadd(keys.replicas_seen, dead)
+    prefill_events: list = []
+    decoded: list = []
+
+    async def run_prefill() -> None:
+        async for ev in p.prefill(f"b-{rp}", pe, [(rp, np.arange(200, dtype=np.int32))], timeout=60):
+            prefill_events.append(ev)
+
+    async def run_decode() -> None:
+        async for ev in d.decode(rd, de, 100, 100_000, timeout=60):
+            decoded.append(ev)
+
+    tasks = [asyncio.create_task(run_prefill()), asyncio.create_task(run_decode())]
+    try:
+        for _ in range(500):  # both running on their engines
+            if decoded and any(ev.event == "accepted" for ev in prefill_events):
+                break
+            await asyncio.sleep(0.01)
+        rec = Reconciler(
+            r,
+            keys,
+            store,
+            live_members=lambda: _aw(["gw-live"]),
+            workers=lambda: {wp: {"role": "prefill"}, wd: {"role": "decode"}},
+            cancel_on=lambda wid, rid: {wp: p, wd: d}[wid].cancel(rid, timeout=2.0),
+        )
+        counts: dict[str, int] = {}
+        t0 = time.monotonic()
+        assert await rec.end_origin(dead, counts, [wp]) == 2
+        await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        took = time.monotonic() - t0
+    finally:
+        for t in tasks:
+            t.cancel()
+        await r.aclose()
+    assert counts.get("record_owner_lost") == 2 and counts.get("engine_cancelled") == 2, counts
+    results = [x for ev in prefill_events if ev.event == "results" for x in ev.results]
+    assert [x["status"] for x in results] == ["cancelled"], prefill_events
+    assert decoded[-1].finish_reason == "cancelled" and sum(len(e.tokens) for e in decoded) < 100_000
+    assert took < 5.0, took  # not the batch's 20 s
+    assert (await d.status())["running"] == 0
+
+
+async def _aw(x):  # type: ignore[no-untyped-def]
+    return x
+
+
 # ---- case 5b's cause: a claim that fails part-way ------------------------------------------------
 async def test_a_claim_that_fails_part_way_is_taken_up_again(clients, shared_embedded_redis) -> None:
     """Case 5b left entries pending for good: after Redis came back empty, the new owner's first

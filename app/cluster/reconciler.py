@@ -11,6 +11,10 @@ What it repairs, and why each repair is safe while requests run:
   a terminal or missing record can never be released later by anyone else.
 - `record_owner_lost`: a non-terminal record whose origin is not live (its clients' connections died
   with it). The same step releases its hold and tombstones its prefill so a queued one never runs.
+- `engine_cancelled`: the same request's prefill and decode still running on the engines (nobody
+  will read their output) are cancelled there through the worker control `cancel`, so they stop
+  taking batch slots and KV. A failed cancel is logged: the engine still ends the work at its
+  max_new_tokens or deadline.
   A stalled origin that wakes and completes the request overwrites `owner_lost` with `completed`
   (app/state/scripts.py TRANSITION), so a client's answer is never recorded as lost.
 - `queued_tombstoned`: queued prefill work of a dead origin (the owner's commit drops it).
@@ -35,6 +39,7 @@ import redis.asyncio as aioredis
 
 from app import metrics as M
 from app.cluster.membership import LuaScript
+from app.rpc.worker_client import WorkerUnavailable
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 from app.state.store import TERMINAL, StateStore
@@ -84,6 +89,7 @@ class Reconciler:
         workers: Callable[[], dict[str, dict[str, str]]],
         *,
         forget_after_s: float = 60.0,
+        cancel_on: Callable[[str, str], Awaitable[Any]] | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -95,6 +101,9 @@ class Reconciler:
         # answer one of its dispatched requests, re-creating its reply stream, which we delete again.
         self.forget_after_s = forget_after_s
         self._dead_since: dict[str, float] = {}
+        # (worker id, request id) → the worker's control `cancel`; None: nothing is cancelled on
+        # the engines (the simulator, unit tests without workers).
+        self.cancel_on = cancel_on
 
     def _count(self, counts: dict[str, int], kind: str, n: int = 1) -> None:
         if n:
@@ -153,6 +162,7 @@ class Reconciler:
                 if await self.store.transition(rid, "owner_lost", outcome=outcome):
                     ended += 1
                     self._count(counts, "record_owner_lost")
+                    await self._cancel_engines(rec, rid, counts)
             await self.redis.srem(key, rid)
         if not final:
             # A replica that was only stalled (SIGSTOP, a long pause) comes back to its reply
@@ -212,6 +222,23 @@ class Reconciler:
         if counts:
             log.warning("own sweep corrected %s", json.dumps(counts), extra={"event": "reconciled"})
         return counts
+
+    async def _cancel_engines(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
+        """Only once the record is `owner_lost` (our transition applied): a stalled origin that
+        completed the request first keeps its engines' work."""
+        if self.cancel_on is None:
+            return
+        for field in ("prefill_worker", "decode_worker"):
+            wid = rec.get(field)
+            if not wid:
+                continue
+            try:
+                res = await self.cancel_on(str(wid), rid)
+            except (WorkerUnavailable, TimeoutError) as exc:
+                log.warning("cancel of dead origin's %s on %s failed: %s", rid, wid, exc)
+                continue
+            if isinstance(res, dict) and res.get("result") in ("cancelled", "released"):
+                self._count(counts, "engine_cancelled")
 
     async def _release(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
         dec = rec.get("decode_worker")
