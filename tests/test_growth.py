@@ -60,3 +60,24 @@ def test_owner_forgets_finished_batch_ids_after_the_audit_horizon(monkeypatch: p
     asyncio.run(run())
     assert 590 <= len(d._finished_seen) <= 610, len(d._finished_seen)
     assert "b5999" in d._finished_seen and "b0" not in d._finished_seen
+
+
+def test_prefix_cache_diff_log_stops_at_a_few_times_the_cache_not_at_100k_entries() -> None:
+    """A full prefix cache evicts a block for every block it adds, and each is a diff-log entry:
+    the log must stop at a small multiple of the cache's block capacity (a diff longer than that is
+    answered with a full snapshot anyway), not fill towards 100,000 entries for most of an hour.
+    Pollers that keep up still get exact diffs; one that fell behind the log gets a snapshot."""
+    from workers.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity_tokens=40_000, block_size=64)  # 625 blocks: the soak's workers
+    seen = cache.version
+    for k in range(50_000):  # unique blocks: after 625 each insert evicts one
+        cache.insert([k], pin=False, budget_tokens=40_000)
+        if k % 100 == 0:  # a poller keeping up
+            d = cache.diff_since(seen)
+            assert not d.full
+            seen = d.version
+    assert len(cache) == 625
+    assert len(cache._log) <= max(1024, 2 * 625), len(cache._log)
+    behind = cache.diff_since(1)  # fell behind the log: the whole key set
+    assert behind.full and sorted(behind.added) == sorted(cache.keys())
