@@ -490,8 +490,9 @@ async def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engi
     clients, shared_embedded_redis
 ) -> None:
     """The reconciler ends a dead origin's request `owner_lost` and cancels what still runs for it
-    on the engines (its output has no reader): a slow prefill batch and a long decode both end
-    `cancelled` at once instead of taking their slot and KV to the end."""
+    on the engines (its output has no reader) once it has stayed dead `cancel_after_s`: a slow
+    prefill batch and a long decode both end `cancelled` then, instead of taking their slot and KV
+    to the end."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -538,10 +539,15 @@ async def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engi
             live_members=lambda: _aw(["gw-live"]),
             workers=lambda: {wp: {"role": "prefill"}, wd: {"role": "decode"}},
             cancel_on=lambda wid, rid: {wp: p, wd: d}[wid].cancel(rid, timeout=2.0),
+            cancel_after_s=1.0,
         )
         counts: dict[str, int] = {}
         t0 = time.monotonic()
-        assert await rec.end_origin(dead, counts, [wp]) == 2
+        assert await rec.end_origin(dead, counts, [wp]) == 2  # as the master's reaping does
+        counts.update(await rec.run_once())  # too soon: a stalled origin may still wake
+        assert "engine_cancelled" not in counts and not any(ev.event == "results" for ev in prefill_events)
+        await asyncio.sleep(1.0)
+        counts.update(await rec.run_once())  # dead for cancel_after_s: its engine work goes
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
         took = time.monotonic() - t0
     finally:

@@ -13,8 +13,10 @@ What it repairs, and why each repair is safe while requests run:
   with it). The same step releases its hold and tombstones its prefill so a queued one never runs.
 - `engine_cancelled`: the same request's prefill and decode still running on the engines (nobody
   will read their output) are cancelled there through the worker control `cancel`, so they stop
-  taking batch slots and KV. A failed cancel is logged: the engine still ends the work at its
-  max_new_tokens or deadline.
+  taking batch slots and KV — once the origin has stayed dead `cancel_after_s` (and the record is
+  still `owner_lost`): a replica that was only stalled past its membership TTL and wakes within
+  that time still completes what its clients are waiting for. A failed cancel is logged: the
+  engine still ends the work at its max_new_tokens or deadline.
   A stalled origin that wakes and completes the request overwrites `owner_lost` with `completed`
   (app/state/scripts.py TRANSITION), so a client's answer is never recorded as lost.
 - `queued_tombstoned`: queued prefill work of a dead origin (the owner's commit drops it).
@@ -90,6 +92,7 @@ class Reconciler:
         *,
         forget_after_s: float = 60.0,
         cancel_on: Callable[[str, str], Awaitable[Any]] | None = None,
+        cancel_after_s: float = 10.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -104,6 +107,10 @@ class Reconciler:
         # (worker id, request id) → the worker's control `cancel`; None: nothing is cancelled on
         # the engines (the simulator, unit tests without workers).
         self.cancel_on = cancel_on
+        self.cancel_after_s = cancel_after_s
+        # dead origin → (worker id, request id) of its requests we ended `owner_lost` whose engine
+        # work is cancelled once the origin has been dead `cancel_after_s` (dropped if it returns).
+        self._engine_work: dict[str, list[tuple[str, str]]] = {}
 
     def _count(self, counts: dict[str, int], kind: str, n: int = 1) -> None:
         if n:
@@ -131,6 +138,7 @@ class Reconciler:
             await self.end_origin(dead, counts, prefill, final=final)
         for rid in [r for r in self._dead_since if r not in seen or r in live]:
             del self._dead_since[rid]
+        await self._cancel_dead_engine_work(live, now, counts)
         for wid in decode:
             await self._holds(wid, live, counts)
         if counts:
@@ -162,7 +170,10 @@ class Reconciler:
                 if await self.store.transition(rid, "owner_lost", outcome=outcome):
                     ended += 1
                     self._count(counts, "record_owner_lost")
-                    await self._cancel_engines(rec, rid, counts)
+                    work = [(str(rec[f]), rid) for f in ("prefill_worker", "decode_worker") if rec.get(f)]
+                    if self.cancel_on is not None and work:
+                        self._engine_work.setdefault(dead, []).extend(work)
+                        self._dead_since.setdefault(dead, time.monotonic())
             await self.redis.srem(key, rid)
         if not final:
             # A replica that was only stalled (SIGSTOP, a long pause) comes back to its reply
@@ -223,22 +234,28 @@ class Reconciler:
             log.warning("own sweep corrected %s", json.dumps(counts), extra={"event": "reconciled"})
         return counts
 
-    async def _cancel_engines(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
-        """Only once the record is `owner_lost` (our transition applied): a stalled origin that
-        completed the request first keeps its engines' work."""
-        if self.cancel_on is None:
-            return
-        for field in ("prefill_worker", "decode_worker"):
-            wid = rec.get(field)
-            if not wid:
+    async def _cancel_dead_engine_work(self, live: set[str], now: float, counts: dict[str, int]) -> None:
+        """Cancel, on the engines, the work of requests ended `owner_lost` whose origin has stayed
+        dead `cancel_after_s`; a record a woken origin completed meanwhile keeps its work."""
+        for origin in list(self._engine_work):
+            if origin in live:  # it came back: its requests may still complete
+                del self._engine_work[origin]
                 continue
-            try:
-                res = await self.cancel_on(str(wid), rid)
-            except (WorkerUnavailable, TimeoutError) as exc:
-                log.warning("cancel of dead origin's %s on %s failed: %s", rid, wid, exc)
+            since = self._dead_since.get(origin)  # None: forgotten, so dead for forget_after_s
+            if since is not None and now - since < self.cancel_after_s:
                 continue
-            if isinstance(res, dict) and res.get("result") in ("cancelled", "released"):
-                self._count(counts, "engine_cancelled")
+            work = self._engine_work.pop(origin)
+            for wid, rid in work:
+                state = await self.redis.hget(self.keys.request(rid), "state")
+                if state is None or _s(state) != "owner_lost" or self.cancel_on is None:
+                    continue
+                try:
+                    res = await self.cancel_on(wid, rid)
+                except (WorkerUnavailable, TimeoutError) as exc:
+                    log.warning("cancel of dead origin's %s on %s failed: %s", rid, wid, exc)
+                    continue
+                if isinstance(res, dict) and res.get("result") in ("cancelled", "released"):
+                    self._count(counts, "engine_cancelled")
 
     async def _release(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
         dec = rec.get("decode_worker")
