@@ -128,7 +128,7 @@ class OwnerClaims:
             # A failure part-way (a Redis error settling an old batch): the rest is claimed again
             # by the next pass (at once while the first claim has not succeeded), not skipped by
             # every later claim as "handled" — which left entries pending for good (test_faults
-            # case 5b, tests/test_faults.py::test_a_claim_that_fails_part_way_is_taken_up_again).
+            # case 5b, tests/test_owner_faults.py::test_a_claim_that_fails_part_way_is_taken_up_again).
             self._handling -= unhanded
         return len(claimed)
 
