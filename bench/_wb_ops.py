@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 from _harness import CpuMeter, console, pct, r2
 
-from app.rpc.worker_client import WorkerClient
+from app.protocol.blocks import block_keys
+from app.rpc.worker_client import PromptKeys, WorkerClient
 from workers.engine.tokens import output_tokens
 
 VOCAB = 128_000  # Llama-3 vocabulary is 128,256 ids; any int32 works, this keeps prompts plausible
@@ -116,12 +117,14 @@ class PromptSource:
 BATCH_TIMEOUT_S = 60.0
 
 
-async def run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]]) -> BatchOutcome:
+async def run_batch(
+    client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]], keys: PromptKeys | None = None
+) -> BatchOutcome:
     """One prefill batch, send to `final`; the modelled span is min(start_ms)..max(end_ms).
     Bounded by BATCH_TIMEOUT_S: a wedged worker must fail the section, not hang the bench."""
     try:
         async with asyncio.timeout(BATCH_TIMEOUT_S):
-            return await _run_batch(client, epoch, reqs)
+            return await _run_batch(client, epoch, reqs, keys)
     except TimeoutError:
         try:  # say whether the worker itself is stuck or only this stream
             st = _brief_status(await client.status(timeout=5.0))
@@ -133,14 +136,16 @@ async def run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.n
         ) from None
 
 
-async def _run_batch(client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]]) -> BatchOutcome:
+async def _run_batch(
+    client: WorkerClient, epoch: str, reqs: list[tuple[str, np.ndarray]], keys: PromptKeys | None
+) -> BatchOutcome:
     t_sent = time.monotonic()
     t_acc = t_res = t_fin = float("nan")
     ok = bad = cached = 0
     starts: list[float] = []
     ends: list[float] = []
     err = ""
-    async for ev in client.prefill(uuid.uuid4().hex, epoch, reqs):
+    async for ev in client.prefill(uuid.uuid4().hex, epoch, reqs, keys=keys):
         if ev.event == "accepted":
             t_acc = time.monotonic()
         elif ev.event == "results":
@@ -275,12 +280,39 @@ async def prefill_overhead(
     src = PromptSource(seed + 1)
     for _ in range(warmup):
         await run_batch(client, epoch, src.batch("ovw", size, length))
+    st = await client.status()
+    bs = int(st["block_size"])
+
+    def hashed(reqs: list[tuple[str, np.ndarray]]) -> PromptKeys:
+        """The keys as the gateway has them from routing (the worker's default key space)."""
+        return PromptKeys(bs, "flexlb-sim", "byte", [block_keys(t, bs) for _, t in reqs])
+
+    # Three arms in turn, so a shared box's load hits them alike: the client hashes the prompts
+    # into block keys (what the gateway's owner pays while it hands the client token ids), the
+    # keys come hashed (the gateway's routing already has them), token ids (the path before
+    # block keys: the worker decodes and hashes 4 bytes a token).
+    ids_client = WorkerClient(client.address, block_keys=False)
     cpu0 = meter.start()
-    outs = [await run_batch(client, epoch, src.batch("ov", size, length)) for _ in range(batches)]
+    outs: list[BatchOutcome] = []
+    given: list[BatchOutcome] = []
+    by_ids: list[BatchOutcome] = []
+    try:
+        for i in range(batches):
+            reqs = src.batch("ov", size, length)
+            if i % 3 == 1:
+                given.append(await run_batch(client, epoch, reqs, hashed(reqs)))
+            elif i % 3 == 2:
+                by_ids.append(await run_batch(ids_client, epoch, reqs))
+            else:
+                outs.append(await run_batch(client, epoch, reqs))
+    finally:
+        await ids_client.close()
     cpu = meter.cores(cpu0)
     st = await client.status()
     scale = float(st["time_scale"])
     added = [o.wall_ms - o.modelled_ms * scale for o in outs]
+    added_given = [o.wall_ms - o.modelled_ms * scale for o in given]
+    added_ids = [o.wall_ms - o.modelled_ms * scale for o in by_ids]
     accepted = [(o.t_accepted - o.t_sent) * 1000 for o in outs]
     middle = [(o.t_results - o.t_accepted) * 1000 - o.modelled_ms * scale for o in outs]
     tail = [(o.t_final - o.t_results) * 1000 for o in outs]
@@ -288,12 +320,16 @@ async def prefill_overhead(
         "formula": formula,
         "batch_size": size,
         "prompt_tokens": length,
-        "batches": len(outs),
+        "batches": len(outs) + len(given) + len(by_ids),
         "modelled_ms_p50": r2(pct([o.modelled_ms for o in outs], 50)),
         "wall_ms_p50": r2(pct([o.wall_ms for o in outs], 50)),
         "added_ms_p50": r2(pct(added, 50)),
         "added_ms_p99": r2(pct(added, 99)),
         "added_ms_max": r2(max(added)),
+        "added_keys_given_ms_p50": r2(pct(added_given, 50)),
+        "added_keys_given_ms_p99": r2(pct(added_given, 99)),
+        "added_token_ids_ms_p50": r2(pct(added_ids, 50)),
+        "added_token_ids_ms_p99": r2(pct(added_ids, 99)),
         "send_to_accepted_ms_p50": r2(pct(accepted, 50)),
         "accepted_to_results_minus_modelled_ms_p50": r2(pct(middle, 50)),
         "results_to_final_ms_p50": r2(pct(tail, 50)),

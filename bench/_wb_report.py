@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from math import nan
 from typing import Any
 
 from _harness import console, table
@@ -10,7 +11,7 @@ from _wb_ops import DELIVERY_TARGET, OVERHEAD_TARGET_MS
 
 def _cores(d: dict[str, Any]) -> str:
     """CPU cores used by the worker's process tree / by this client while measuring."""
-    return f"{d.get('worker_cores', float('nan')):.2f}/{d.get('client_cores', float('nan')):.2f}"
+    return f"{d.get('worker_cores', nan):.2f}/{d.get('client_cores', nan):.2f}"
 
 
 def render(results: dict[str, Any]) -> None:
@@ -54,6 +55,8 @@ def render(results: dict[str, Any]) -> None:
                 "wall p50",
                 "added p50",
                 "added p99",
+                "keys given p50/p99",
+                "token ids p50/p99",
                 "send->accepted",
                 "accepted->results -modelled",
                 "results->final",
@@ -67,6 +70,8 @@ def render(results: dict[str, Any]) -> None:
             f"{ov['wall_ms_p50']:.1f}",
             f"{ov['added_ms_p50']:.2f}",
             f"{ov['added_ms_p99']:.2f}",
+            f"{ov.get('added_keys_given_ms_p50', nan):.2f}/{ov.get('added_keys_given_ms_p99', nan):.2f}",
+            f"{ov.get('added_token_ids_ms_p50', nan):.2f}/{ov.get('added_token_ids_ms_p99', nan):.2f}",
             f"{ov['send_to_accepted_ms_p50']:.2f}",
             f"{ov['accepted_to_results_minus_modelled_ms_p50']:.2f}",
             f"{ov['results_to_final_ms_p50']:.2f}",
@@ -152,7 +157,12 @@ def summary_md(results: dict[str, Any]) -> str:
             f"{'met' if ov['meets_target'] else 'NOT met'}). Medians: send to `accepted` "
             f"{ov['send_to_accepted_ms_p50']:.2f} ms, `accepted` to `results` beyond the modelled time "
             f"{ov['accepted_to_results_minus_modelled_ms_p50']:.2f} ms, `results` to `final` "
-            f"{ov['results_to_final_ms_p50']:.2f} ms.",
+            f"{ov['results_to_final_ms_p50']:.2f} ms. With the block keys given (as the gateway's "
+            f"routing has them) instead of hashed by the client: median "
+            f"{ov.get('added_keys_given_ms_p50', nan):.2f}, "
+            f"p99 {ov.get('added_keys_given_ms_p99', nan):.2f}; with token ids (the path before block "
+            f"keys): median {ov.get('added_token_ids_ms_p50', nan):.2f}, "
+            f"p99 {ov.get('added_token_ids_ms_p99', nan):.2f}.",
             "",
         ]
     dec = results.get("decode_delivery")

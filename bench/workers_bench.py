@@ -41,6 +41,7 @@ from _wb_ops import (
     prefill_overhead,
     prefill_throughput,
 )
+from _wb_paths import direct_paths
 from _wb_report import render, summary_md
 
 from app.rpc.worker_client import WorkerClient
@@ -159,7 +160,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--sections",
         default="prefill,overhead,decode",
         type=lambda s: {x.strip() for x in s.split(",") if x.strip()},
-        help="comma-separated subset of prefill,overhead,decode",
+        help="comma-separated subset of prefill,overhead,decode,paths (paths: not by default)",
     )
     p.add_argument("--concurrency", type=int, default=4, help="prefill batches in flight in (a)")
     p.add_argument("--overhead-formula", default="50", help="modelled prefill batch ms formula for (b)")
@@ -178,10 +179,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--chunk-interval-ms", type=float, default=20.0, help="decode worker chunk interval (wall)"
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--path-requests", type=int, default=300, help="(d) sequential requests per path")
     args = p.parse_args(argv)
     if any("=" not in kv for kv in args.worker_env):
         p.error("--worker-env takes KEY=VALUE")
-    unknown = args.sections - {"prefill", "overhead", "decode"}
+    unknown = args.sections - {"prefill", "overhead", "decode", "paths"}
     if unknown:
         p.error(f"unknown sections: {sorted(unknown)}")
     return args
@@ -234,12 +236,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers: list[Proc] = []
     try:
         console.print(f"starting {', '.join(r for r, _ in specs)} worker(s)...")
-        workers = start_workers(specs, log_dir, worker_env, attempts=2)
+        workers = start_workers(specs, log_dir, worker_env, attempts=2) if specs else []
         results["workers"] = {
             w.role: {k: w.info.get(k) for k in ("address", "epoch", "startup_s")} for w in workers
         }
         by_role = {w.role: w for w in workers}
-        asyncio.run(run_all(args, plan, by_role.get("prefill"), by_role.get("decode"), results))
+        if specs:
+            asyncio.run(run_all(args, plan, by_role.get("prefill"), by_role.get("decode"), results))
+        if "paths" in args.sections:
+            console.print("[bold]direct_paths[/bold]")
+            try:
+                results["direct_paths"] = direct_paths(log_dir, args.path_requests)
+            except Exception as exc:  # keep the other sections' results
+                results.setdefault("errors", {})["direct_paths"] = f"{type(exc).__name__}: {exc}"
     except (Exception, KeyboardInterrupt) as exc:
         results.setdefault("errors", {})["run"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]bench aborted: {type(exc).__name__}: {exc}")

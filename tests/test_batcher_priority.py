@@ -34,7 +34,10 @@ def step(b: Batcher, now: float) -> list[Pending]:
     return d.items
 
 
-@pytest.mark.parametrize("shape", [{"algorithm": "fixed_window", "max_size": 2}, {"mode": "direct"}])
+@pytest.mark.parametrize(
+    "shape",
+    [{"algorithm": "fixed_window", "max_size": 2}, {"mode": "direct"}, {"algorithm": "slo", "max_size": 2}],
+)
 def test_bulk_behind_interactive_waits_then_is_promoted_after_the_bound(shape: dict[str, object]) -> None:
     # A bulk request queued first, then interactive ones arriving faster than the worker takes
     # them: strict priority alone would starve it; the bound lets it go once it has waited 100 ms.
@@ -53,12 +56,35 @@ def test_bulk_behind_interactive_waits_then_is_promoted_after_the_bound(shape: d
     assert sum(1 for k, v in sent_at.items() if k != "bulk" and v < 100.0) >= 10
 
 
-def test_without_the_bound_priority_is_strict_and_classes_go_high_to_low() -> None:
-    b = mk(starvation_ms=0.0, mode="direct")
+@pytest.mark.parametrize(
+    "shape", [{"mode": "direct"}, {"algorithm": "slo", "max_size": 1, "slo_ttft_ms": 60_000.0}]
+)
+def test_without_the_bound_priority_is_strict_and_classes_go_high_to_low(shape: dict[str, object]) -> None:
+    b = mk(starvation_ms=0.0, **shape)
     for i, lvl in enumerate([BULK, DEFAULT, INTERACTIVE, LEVEL["system"], DEFAULT]):
         b.add(pend(f"r{i}", float(i), lvl))
     order = [p.id for t in range(5) for p in step(b, 10_000.0 + t)]
     assert order == ["r3", "r2", "r1", "r4", "r0"]  # class first, arrival within a class
+
+
+def test_slo_batcher_under_overload_lets_the_lower_class_pass_its_slo_first() -> None:
+    # Two arrivals (one default, one bulk, same instant) per batch time, one served: half must
+    # miss the 100 ms SLO. By deadline alone the classes would share the misses; by class, bulk
+    # takes them all and every default request is served in time.
+    b = mk(algorithm="slo", max_size=1, slo_ttft_ms=100.0, starvation_ms=0.0)
+    served: Counter[int] = Counter()
+    failed: Counter[int] = Counter()
+    for t in range(0, 1000, 10):
+        b.add(pend(f"d{t}", float(t), DEFAULT))
+        b.add(pend(f"b{t}", float(t), BULK))
+        d = b.decide(float(t), worker_busy=False)
+        failed.update(p.priority for p, code in d.failed if code == "deadline_exceeded")
+        served.update(p.priority for p in d.items)
+        if d.items:
+            b.batch_started(d.items, float(t))
+            b.batch_finished(float(t))
+    assert served[DEFAULT] == 100 and failed[DEFAULT] == 0, (served, failed)
+    assert failed[BULK] >= 85 and served[BULK] == 0, (served, failed)
 
 
 def test_two_tenants_saturating_one_worker_get_fair_shares_of_its_batch_slots() -> None:

@@ -26,7 +26,8 @@ if os.environ.get("FLEXLB_REQUIRE_ENGINE") == "1":  # make test / CI: never skip
 else:
     torch = pytest.importorskip("torch", reason="needs the engine extra: make install-engine")
 
-from app.rpc.worker_client import WorkerClient
+from app.protocol import worker_api as W
+from app.rpc.worker_client import KeySpace, WorkerClient
 from workers.engine.hf_model import HfModel, Sampling, make_tiny_model, sample_token
 from workers.server import kv_frames
 
@@ -199,6 +200,35 @@ def test_prefill_batch_of_different_lengths_is_one_forward_pass_and_exact(hf, re
         assert fin.finish_reason == ("stop" if eos else "length") and (eos or len(toks) == 11), fin
     st = stats(pw)["_status"]
     assert st["pinned"] == [] and st["kv_released"]["released"] >= 4  # every handle fetched, freed
+
+
+def test_the_real_engine_asks_for_ids_and_a_client_sending_keys_falls_back_to_them(hf, ref) -> None:
+    """The simulated engine takes block keys instead of token ids (docs/worker-protocol.md §4.1);
+    this one computes on the tokens. A client that believes otherwise (its cached `describe`
+    answer is wrong) is refused before the engine sees the batch and resends the ids."""
+    pw = hf["prefill"]
+    d = worker_call(pw.address, "describe")
+    assert d["prefill_input"] == W.INPUT_IDS and d["block_size"] == BS
+    prompts = {"fb-a": text(3 * BS + 5, "fa"), "fb-b": text(2 * BS, "fb")}
+
+    async def run() -> dict[str, dict]:
+        c = WorkerClient(pw.address)
+        c._inputs = {pw.epoch: KeySpace(pw.epoch, BS, d["model_name"], d["tokenizer"])}  # stale
+        out: dict[str, dict] = {}
+        try:
+            async for ev in c.prefill(
+                "fb-batch", pw.epoch, [(r, np.array(p, dtype=np.int32)) for r, p in prompts.items()]
+            ):
+                assert ev.event != "error", ev.error
+                out.update({r["request_id"]: r for r in ev.results})
+            assert c._inputs == {pw.epoch: None}  # learnt: ids from now on
+        finally:
+            await c.close()
+        return out
+
+    res = asyncio.run(run())
+    for rid, p in prompts.items():
+        assert res[rid]["status"] == "ok" and res[rid]["first_token"] == generate(ref, p, 1)[0]
 
 
 def test_a_batch_larger_than_the_kv_budget_runs_when_nothing_is_held(hf, ref) -> None:

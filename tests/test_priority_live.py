@@ -64,11 +64,13 @@ def test_classes_first_then_tenants_share_a_saturated_worker_fairly(keyed_gatewa
     async def run() -> None:
         async with httpx.AsyncClient(timeout=60) as c:
 
-            async def one(tag: str, tenant: str, priority: str = "", prompt: str = "p") -> None:
+            async def one(tag: str, tenant: str, priority: str | int = "", prompt: str = "p") -> None:
                 h = {"Authorization": f"Bearer {keys[tenant]}"}
-                if priority:
-                    h["x-flexlb-priority"] = priority
                 body: dict[str, Any] = {"prompt": f"{prompt} {tag}", "max_new_tokens": 1}
+                if isinstance(priority, int) or priority.startswith("body:"):  # the body's field
+                    body["priority"] = priority if isinstance(priority, int) else priority[5:]
+                elif priority:
+                    h["x-flexlb-priority"] = priority
                 body["deadline_ms"] = 60_000  # this test is about the order, not SLO admission
                 res = await c.post(gw.url + "/v1/generate", json=body, headers=h)
                 assert res.status_code == 200, res.text
@@ -79,7 +81,8 @@ def test_classes_first_then_tenants_share_a_saturated_worker_fairly(keyed_gatewa
             await asyncio.sleep(0.4)
             groups = [
                 [("bulk", "a", "bulk")],
-                [(f"i{k}", "a", "interactive") for k in range(3)],
+                # the class by header, by the body's name and by the body's level alike
+                [("i0", "a", "interactive"), ("i1", "a", "body:interactive"), ("i2", "a", 2)],
                 [(f"a{k}", "a", "") for k in range(8)],  # tenant a floods first ...
                 [(f"b{k}", "b", "") for k in range(8)],  # ... then b, in the same class
             ]

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 
 from app.security.apikeys import Limits
 from app.security.limits import trace_id_from
-from app.security.ratelimit import Limiter, inflight_key
+from app.security.ratelimit import GATE, Limiter, inflight_key
 from app.state.keys import Keys
 from app.state.store import StateStore
 
@@ -219,6 +219,12 @@ def test_under_overload_lower_priority_classes_are_refused_first(sec: Sec) -> No
         assert gen(plain, "system").status_code == 429  # lowered to interactive: no grant
         bad = gen(plain, "urgent")
         assert bad.status_code == 400 and "x-flexlb-priority" in bad.json()["error"]["message"]
+        # the body's `priority` counts like the header: in at the door as `system`, it asks for
+        # `bulk` and must fit bulk's share too
+        body = {"prompt": "hi", "priority": "bulk"}
+        headers = {"Authorization": f"Bearer {ops}", "x-flexlb-priority": "system"}
+        low = httpx.post(sec.b.url + "/v1/generate", json=body, headers=headers, timeout=20)
+        assert low.status_code == 429 and "'bulk'" in low.json()["error"]["message"], low.text
     finally:
         held.close()
     wait_for(lambda: gen(plain, "bulk").status_code == 200, 5, what="the slot freed by the disconnect")
@@ -344,8 +350,86 @@ def test_a_tenant_over_its_rate_gets_429_with_headers_while_another_is_unaffecte
     assert ok.headers["x-ratelimit-limit-tokens"] == "10"
     over = sec.gen(sec.b, tok, max_new_tokens=3)
     assert over.status_code == 429 and 30 <= int(over.headers["retry-after"]) <= 40
+    streamed = sec.gen(sec.a, tok, max_new_tokens=3, stream=True)  # refused before its first byte
+    assert streamed.status_code == 429 and 30 <= int(streamed.headers["retry-after"]) <= 40
+    assert streamed.headers.get_list("retry-after") == [streamed.headers["retry-after"]]
     assert "10 tokens/min" in over.json()["error"]["message"]
     assert sec.gen(sec.b, free).status_code == 200
+
+
+def test_a_refused_client_id_leaves_no_record(sec: Sec) -> None:
+    """The limit rides the record's round trip (`_record` for a client id): a refusal writes no
+    record, no hold and no live-set entry, so the id is unknown afterwards and free to reuse."""
+    key = sec.add_key("once", rps=1)
+    sec.limits_applied()
+    assert sec.gen(sec.a, key).status_code == 200
+    # that took the bucket's last request token: replica a now refuses the tenant at the door,
+    # before reading the body (a malformed one gets 429, not 400) and without calling Redis
+    auth = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    door = httpx.post(sec.a.url + "/v1/generate", content=b"{not json", headers=auth, timeout=5)
+    assert door.status_code == 429 and door.json()["error"]["code"] == "rate_limited", door.text
+    rid = f"refused-{uuid.uuid4().hex[:6]}"
+    over = sec.gen(sec.b, key, rid=rid)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limited"
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"
+    gone = httpx.get(f"{sec.b.url}/v1/requests/{rid}", headers={"Authorization": f"Bearer {key}"}, timeout=5)
+    assert gone.status_code == 404
+    keys = Keys(sec.cluster)
+    scoped = f"once~{rid}"
+    assert not sec.r.exists(keys.request(scoped))
+    for gw in (sec.a, sec.b):
+        assert not sec.r.sismember(keys.origin_requests(gw.replica_id), scoped)
+    # once the bucket refills, the same client id runs (its record and hold made inside the gate)
+    ok = wait_for(lambda: (x := sec.gen(sec.b, key, rid=rid)).status_code == 200 and x, 5, what="refill")
+    assert ok.json()["request_id"] == rid and sec.r.hget(keys.request(scoped), "state") == b"completed"
+
+
+def test_the_limit_and_the_round_trip_are_one_command_and_a_refusal_writes_nothing(
+    shared_embedded_redis: str,
+) -> None:
+    """The gate script on a real Redis: the tenant's check and the record, decode hold and
+    hand-off it carries cost ONE command; refused, none of them applies (only the bucket's refill
+    is written) and the verdict comes back alone."""
+
+    async def go() -> None:
+        r = aioredis.from_url(shared_embedded_redis)
+        prefix = f"t-gate-{uuid.uuid4().hex[:6]}"
+        k = Keys(prefix)
+        store = StateStore(r, k)
+        lim = Limiter(store, prefix)
+
+        queue_keys = [k.queue("p"), k.queued_ms("p"), k.ledger("p")]
+
+        def handoff_args(rid: str) -> list[Any]:
+            return [100, "1.5", '{"rid":"' + rid + '"}', b"\x01\x00\x00\x00", "1"]
+
+        def trip(rid: str) -> list[list[Any]]:
+            return [
+                ["SADD", k.origin_requests("o"), rid],
+                ["EVALSHA", store.sha("create_request"), 1, k.request(rid), "o", "input_tokens", 5],
+                ["EVALSHA", store.sha("reserve"), 1, k.reservations("d"), rid, 10, 100],
+                ["EVALSHA", store.sha("handoff"), 3, *queue_keys, *handoff_args(rid)],
+            ]
+
+        try:
+            await r.script_load(GATE)  # as after the first call: a NOSCRIPT costs a load and a rerun
+            n0 = store.commands_total
+            v, res = await lim.run("t", Limits(rps=1), "a", 8, 60_000, trip("a"))
+            assert v.allowed and store.commands_total - n0 == 1
+            assert res[:3] == [1, 1, 1] and float(res[3][1]) == 1.5  # each command's own reply
+            before = {x: await r.dump(x) for x in await r.keys(f"{prefix}:*") if b":rl" not in x}
+            n0 = store.commands_total
+            v, res = await lim.run("t", Limits(rps=1), "b", 8, 60_000, trip("b"))
+            assert store.commands_total - n0 == 1
+            assert not v.allowed and v.reason == "requests" and res == []
+            after = {x: await r.dump(x) for x in await r.keys(f"{prefix}:*") if b":rl" not in x}
+            assert after == before  # no record, hold, live-set entry or hand-off for "b"
+            assert await r.xlen(k.queue("p")) == 1 and not await r.exists(k.request("b"))
+        finally:
+            await r.delete(*await r.keys(f"{prefix}:*"))
+            await r.aclose()
+
+    asyncio.run(go())
 
 
 def test_concurrency_slots_are_cluster_wide_and_released(shared_embedded_redis: str) -> None:

@@ -352,6 +352,55 @@ def test_streams_end_on_their_last_response(worker_pool) -> None:
         assert len(responses) == 2 and responses[1][0] is None
 
 
+async def test_block_keys_instead_of_ids_give_the_same_cache_and_results(clients) -> None:
+    """The simulated engine needs only lengths and block keys (docs/worker-protocol.md §4.1): a
+    client sends those, 1/128 of the ids' bytes, and the worker caches exactly what ids give."""
+    from app.protocol import worker_api as W
+    from app.protocol.blocks import block_keys
+    from app.rpc.worker_client import PromptKeys, _b, _inp
+
+    c = clients["prefill"][0]
+    await c.configure(formula="10 + sum(0.01*computeTokens)")
+    epoch = (await c.status())["epoch"]
+    d = await c.describe()
+    assert d["prefill_input"] == W.INPUT_BLOCK_KEYS and d["block_size"] == 64
+    shared = prompt(17, 64 * 5 + 10)
+    ids_client = WorkerClient(c.address)
+    ids_client._inputs = {epoch: None}  # this one sends token ids
+    try:
+        base = (await c.cache(None, epoch))["version"]
+        await collect_prefill(ids_client, "b-" + uid(), epoch, [("i-" + uid(), shared)])
+        by_ids = await c.cache(base, epoch)
+    finally:
+        await ids_client.close()
+    assert len(by_ids["added"]) == 5
+    # a longer prompt over the same prefix, as keys (hashed by the client): the same 5 blocks hit
+    longer = np.concatenate([shared, prompt(18, 200)])
+    evs = await collect_prefill(c, "b-" + uid(), epoch, [("k-" + uid(), longer)])
+    assert c._inputs[epoch] is not None  # `describe` said keys: they were sent
+    (r,) = [r for ev in evs for r in ev.results]
+    assert r["status"] == "ok" and r["cached_tokens"] == 320 and r["input_tokens"] == len(longer)
+    assert r["end_ms"] - r["start_ms"] == pytest.approx(10 + 0.01 * (len(longer) - 320))
+    # keys the caller hashed (the gateway's routing has them) are used as given
+    other = prompt(19, 64 * 3)
+    given = PromptKeys(64, d["model_name"], d["tokenizer"], [block_keys(other, 64)])
+    evs = [ev async for ev in c.prefill("b-" + uid(), epoch, [("g-" + uid(), other)], keys=given)]
+    assert [r["status"] for ev in evs for r in ev.results] == ["ok"]
+    after = await c.cache(base, epoch)
+    assert set(block_keys(other, 64)) <= set(after["added"])
+    # keys that do not match the lengths are refused as a whole
+    bad = [
+        _inp(W.P_BATCH_ID, _b(["bad-" + uid()]), "BYTES"),
+        _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
+        _inp(W.P_REQUEST_IDS, _b(["a"]), "BYTES"),
+        _inp(W.P_BLOCK_KEYS, np.arange(3, dtype=np.uint64), "UINT64"),
+        _inp(W.P_INPUT_LENGTHS, np.array([64 * 2], dtype=np.int32), "INT32"),
+    ]
+    out = [ev async for ev in c._stream(W.PREFILL_MODEL, bad, timeout=10)]
+    assert len(out) == 1 and out[0].as_numpy(W.P_EVENT)[0] == b"error"
+    assert b"input_lengths" in out[0].as_numpy(W.P_ERROR)[0]
+
+
 async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     p = clients["prefill"][0]
     await p.configure(formula="1", kv_capacity_tokens=5000)

@@ -19,7 +19,7 @@ from app.api.streaming import collect, guarded, relay, sse, sse_error, stored_or
 from app.dispatch.items import level_of
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest
-from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, trace_id_from, valid_request_id
+from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, ask_priority, trace_id_from, valid_request_id
 from app.security.tenants import path_id, public_id, scoped_id, tenant_of
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
@@ -117,6 +117,7 @@ async def _prepare(
     stops: list[str] | None = None,
     user: str | None = None,
     deadline_ms: int | None = None,
+    priority: str | int | None = None,
 ) -> GenRequest:
     """`fields`: the client's names of the token limit and the prompt, for error messages."""
     _check_limits(r, len(ids), max_new, *fields)
@@ -126,7 +127,10 @@ async def _prepare(
     if not r.redis_ok:
         raise ApiError("state_unavailable", f"shared state unavailable: {r.redis_reason}", retry_after_s=1)
     timeout = _timeout(r, timeout_ms)
-    await request.app.state.tenants.admit(request, rid, len(ids) + max_new, timeout)
+    if priority is not None:  # the body's class, where the endpoint has one: like the header's
+        ask_priority(request.scope.setdefault("state", {}), priority)
+    # the tenant's limits: checked in the request's first round trip (app/security/ratelimit.py)
+    limit = request.app.state.tenants.check(request, len(ids) + max_new, timeout)
     stop = TokenStop(r.tokenizer, stops) if stops else None
     return GenRequest(
         rid,
@@ -140,6 +144,7 @@ async def _prepare(
         user=user or "",
         deadline_ms=deadline,
         priority=level_of(request.scope.get("state", {}).get("priority")),  # set by ConcurrencyCap
+        limit=limit,
     )
 
 
@@ -354,6 +359,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         "generate",
         ("max_new_tokens", prompt_field),
         deadline_ms=body.deadline_ms,
+        priority=body.priority,
     )
     req.sampling = sampling_of(body)
     if not body.stream:

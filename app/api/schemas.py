@@ -265,7 +265,11 @@ class GenerateRequest(BaseModel):
         None, description="TTFT deadline in ms (else header x-flexlb-slo-ms, else the cluster SLO)"
     )
     request_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:\-]+$")
-    priority: JsonInt | None = Field(None, description="accepted and recorded; not used for scheduling yet")
+    priority: Literal["bulk", "default", "interactive", "system"] | JsonInt | None = Field(
+        None,
+        description="priority class, as the x-flexlb-priority header (which it overrides): a class "
+        "name, or its level 0-3 (bulk..system; beyond clamped); lowered to the tenant's max_priority",
+    )
     # Sampling: greedy without `temperature` (or with 0); a real engine samples by them
     temperature: Temperature = None
     top_p: TopP = None

@@ -15,7 +15,10 @@ CONTROL_MODEL: Final = "control"
 P_BATCH_ID: Final = "batch_id"  # BYTES [1]
 P_EPOCH: Final = "epoch"  # BYTES [1], expected worker epoch ("" = do not check; tools only)
 P_REQUEST_IDS: Final = "request_ids"  # BYTES [n]
-P_INPUT_IDS: Final = "input_ids"  # INT32 [sum(lengths)], every prompt concatenated
+P_INPUT_IDS: Final = "input_ids"  # INT32 [sum(lengths)], every prompt concatenated (or P_BLOCK_KEYS)
+# UINT64 [sum(lengths // block_size)]: every prompt's full-block keys, concatenated, instead of the
+# ids, for an engine that does not need them (control `describe` says which; docs §4.1)
+P_BLOCK_KEYS: Final = "block_keys"
 P_INPUT_LENGTHS: Final = "input_lengths"  # INT32 [n]
 # optional sampling fields, one per prompt (a real engine uses them; the simulated one ignores them)
 P_TEMPERATURE: Final = "temperature"  # FP64 [n], 0 = greedy
@@ -63,3 +66,8 @@ C_REQUEST: Final = "request"  # BYTES [1] JSON {"op": ..., ...}
 C_RESPONSE: Final = "response"  # BYTES [1] JSON
 
 STATUS_PAGE_LIMIT: Final = 1000
+# control `describe`: "prefill_input" is one of these
+INPUT_IDS: Final = "input_ids"
+INPUT_BLOCK_KEYS: Final = "block_keys"
+# the refusal (after "invalid_request: ") of a batch without ids by an engine that needs them
+NEEDS_INPUT_IDS: Final = "input_ids are required by this engine"

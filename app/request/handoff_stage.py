@@ -45,7 +45,7 @@ class HandoffStage(RequestContext):
             cmds.append(
                 ["EVALSHA", self.store.sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap]
             )
-        res = await self._round_trip(cmds)
+        res = await self._round_trip(cmds, req)  # refused by the tenant's limit: nothing written
         created = res[1]
         held = int(res[2]) if dec else -1
         if int(created) != 1:
@@ -126,7 +126,11 @@ class HandoffStage(RequestContext):
         )
         # Whatever applied before a failure must be cleaned up as if handed off.
         p.stage = "handed_off"
-        res = await self._round_trip(cmds)
+        try:
+            res = await self._round_trip(cmds, req)
+        except ApiError:  # only the tenant's limit raises it, and then nothing was written
+            p.stage = "new"
+            raise
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await self.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
@@ -137,10 +141,18 @@ class HandoffStage(RequestContext):
             return None, queued, owed, held
         return entry, queued, owed, held
 
-    async def _round_trip(self, cmds: list[list[Any]]) -> list[Any]:
+    async def _round_trip(self, cmds: list[list[Any]], req: GenRequest | None = None) -> list[Any]:
         """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
-        and rerun (`StateStore.execute_scripts`). Any other error reply is raised."""
-        res = await self.store.execute_scripts(cmds)
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised.
+
+        The request's first round trip carries its tenant's limit check when it has one: the
+        commands then run inside the check's script, only if it passed (a pipeline cannot make
+        its later commands depend on an earlier one), and a refusal raises 429 `rate_limited`."""
+        if req is not None and req.limit is not None:
+            check, req.limit = req.limit, None  # once per request: a second hand-off is the same request
+            res = await check.run(req.request_id, cmds)
+        else:
+            res = await self.store.execute_scripts(cmds)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x
@@ -223,7 +235,12 @@ class HandoffStage(RequestContext):
         held = -1
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
-            entry, queued, owed, held = await self._record_and_append(req, p, wid, meta, predicted)
+            try:
+                entry, queued, owed, held = await self._record_and_append(req, p, wid, meta, predicted)
+            except ApiError:  # refused by the tenant's limit: nothing was queued
+                self.replies.forget(rid)
+                self.fleet.queued_overlay[wid] = (base, time.time())
+                raise
         else:
             entry, queued, owed = await self.handoff.append(
                 wid,

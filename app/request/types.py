@@ -4,13 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from app.gateway.errors import ApiError
-
-if TYPE_CHECKING:
-    pass
-
 
 #: Wall ms the gateway itself needs between admission and a first token (hand-off, the owner's
 #: read, the reply) on a loaded host, on top of the worker's predicted time (SLO admission).
@@ -24,6 +20,13 @@ ENGINE_TO_API = {
     "duplicate": "duplicate_request",
     "deadline_exceeded": "deadline_exceeded",  # the owner ended it: its TTFT deadline passed queued
 }
+
+
+class LimitCheck(Protocol):
+    async def run(self, rid: str, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+        """The tenant's check, then `cmds` (one round trip) when it passed: their replies; raises
+        ApiError `rate_limited` when refused, with nothing written."""
+        ...
 
 
 @dataclass
@@ -48,6 +51,9 @@ class GenRequest:
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
     priority: int = 1  # level of its x-flexlb-priority class (app/dispatch/items.py); `pr` if not 1
+    # The tenant's limit check (app/security/tenants.LimitCheck) when it has limits: the first
+    # round trip that records the request runs through it, so a refused request writes nothing.
+    limit: LimitCheck | None = None
 
 
 @dataclass

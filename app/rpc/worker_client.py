@@ -13,6 +13,7 @@ per request. tritonclient still supplies the protobuf types and `InferResult` fo
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import serialize_byte_tensor
 
 from app.protocol import worker_api as W
+from app.protocol.blocks import block_keys
 from app.state.text import to_str as _s
 
 
@@ -54,6 +56,28 @@ class DecodeEvent:
 
 
 Input = tuple[str, np.ndarray, str]  # name, data, KServe datatype
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """How one worker incarnation hashes block keys, from its `describe` answer."""
+
+    epoch: str
+    block_size: int
+    model: str
+    tokenizer: str
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """Block keys the caller has already hashed (the gateway does, to route), one sequence per
+    request of the batch, in the key space named here; used when it is the worker's."""
+
+    block_size: int
+    model: str
+    tokenizer: str
+    keys: Sequence[Sequence[int]]
+
 
 # tritonclient's channel defaults: no message-size cap (a prompt batch can be large), keepalive
 # as it sets it (pings effectively off; deadlines and the owner's health checks find dead workers).
@@ -91,13 +115,19 @@ def _b(values: Sequence[str]) -> np.ndarray:
 
 
 class WorkerClient:
-    def __init__(self, address: str, secret: str = "") -> None:
+    def __init__(self, address: str, secret: str = "", block_keys: bool = True) -> None:
         self.address = address
+        # False: always send token ids (a bench's baseline; docs/worker-protocol.md §4.1)
+        self.block_keys = block_keys
         # The workers' shared secret (FLEXLB_WORKER_SECRET): sent with every control call, which a
         # worker started with one refuses without it (docs/operations.md "Security").
         self.secret = secret
         self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        # Per worker epoch: the key space when its engine takes block keys instead of token ids
+        # (docs/worker-protocol.md §4.1), None when it needs the ids. One entry: the current epoch.
+        self._inputs: dict[str, KeySpace | None] = {}
+        self._describing = asyncio.Lock()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -168,6 +198,10 @@ class WorkerClient:
     async def reset(self, timeout: float | None = 10.0) -> dict[str, Any]:
         return await self.control({"op": "reset"}, timeout)
 
+    async def describe(self, timeout: float | None = 5.0) -> dict[str, Any]:
+        """Which prompt input the engine takes and the key space (docs/worker-protocol.md §7.7)."""
+        return await self.control({"op": "describe"}, timeout)
+
     # ---- prefill --------------------------------------------------------------------------
     async def prefill(
         self,
@@ -176,36 +210,75 @@ class WorkerClient:
         requests: Sequence[tuple[str, np.ndarray]],
         timeout: float | None = None,
         sampling: Sequence[Mapping[str, Any] | None] | None = None,
+        keys: PromptKeys | None = None,
     ) -> AsyncIterator[PrefillEvent]:
         """Stream one batch: `accepted`, then `results` events, then `final` (or `error`).
 
         `sampling`: per request, None or {"temperature", "top_p", "seed"} (any may be absent);
         the tensors travel only when some request has a field, so a greedy batch costs nothing.
 
+        The prompts travel as block keys when the worker's engine takes them (`describe`, asked
+        once per epoch), hashed here unless `keys` brings them in the worker's key space.
+
         An empty batch is refused here: Triton cannot carry zero-length tensors reliably (the
         call never answers), so it must not reach the wire."""
         if not requests:
             raise ValueError("empty batch")
-        lens = np.array([len(t) for _, t in requests], dtype=np.int32)
-        ids = (
-            np.concatenate([np.asarray(t, dtype=np.int32) for _, t in requests])
-            if requests
-            else np.zeros(0, dtype=np.int32)
-        )
-        inputs = [
-            _inp(W.P_BATCH_ID, _b([batch_id]), "BYTES"),
-            _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
-            _inp(W.P_REQUEST_IDS, _b([r for r, _ in requests]), "BYTES"),
-            _inp(W.P_INPUT_IDS, ids, "INT32"),
-            _inp(W.P_INPUT_LENGTHS, lens, "INT32"),
-        ]
-        if sampling is not None and any(sampling):
-            inputs.extend(_sampling_inputs(list(sampling), W.P_TEMPERATURE, W.P_TOP_P, W.P_SEED))
-        async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
-            ev = _prefill_event(r)
-            yield ev
-            if ev.event == "results" and _first(r, W.P_FINAL, 0):  # results + final in one (§4.2)
-                yield PrefillEvent("final", ev.batch_id, ev.epoch)
+        ks = await self._key_space(epoch, timeout)
+        for _ in range(2):
+            inputs = [
+                _inp(W.P_BATCH_ID, _b([batch_id]), "BYTES"),
+                _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
+                _inp(W.P_REQUEST_IDS, _b([r for r, _ in requests]), "BYTES"),
+                _prompt_input(requests, ks, keys),
+                _inp(W.P_INPUT_LENGTHS, np.array([len(t) for _, t in requests], dtype=np.int32), "INT32"),
+            ]
+            if sampling is not None and any(sampling):
+                inputs.extend(_sampling_inputs(list(sampling), W.P_TEMPERATURE, W.P_TOP_P, W.P_SEED))
+            first, refused = True, False
+            async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
+                ev = _prefill_event(r)
+                if first and ks is not None and ev.event == "error" and ev.error.endswith(W.NEEDS_INPUT_IDS):
+                    # Refused before the engine saw the batch: the cached answer was wrong (it is
+                    # kept per epoch, so only a client told a wrong one gets here). Send the
+                    # batch again with the ids. Read to the stream's end.
+                    refused = True
+                first = False
+                if refused:
+                    continue
+                if ev.event == "results" and r.as_numpy(W.P_QUEUE_POSITION) is not None:
+                    # `accepted` rode on the batch's first results (§4.2)
+                    yield PrefillEvent("accepted", ev.batch_id, ev.epoch, ev.queue_position)
+                yield ev
+                if ev.event == "results" and _first(r, W.P_FINAL, 0):  # results + final in one (§4.2)
+                    yield PrefillEvent("final", ev.batch_id, ev.epoch)
+            if not refused:
+                return
+            self._inputs[epoch] = ks = None
+
+    async def _key_space(self, epoch: str, timeout: float | None) -> KeySpace | None:
+        """The worker's key space when its engine takes block keys, asked once per epoch with
+        `describe`; None (send the ids) without an epoch to pin the answer to, or when the worker
+        needs the ids, is older than `describe`, or did not answer (then for the whole epoch)."""
+        if not epoch or not self.block_keys:
+            return None
+        if epoch in self._inputs:
+            return self._inputs[epoch]
+        async with self._describing:
+            if epoch in self._inputs:
+                return self._inputs[epoch]
+            try:
+                d = await self.describe(timeout=min(timeout or 5.0, 5.0))
+            except WorkerUnavailable:
+                self._inputs = {epoch: None}  # ids always work: ask no more for this epoch
+                return None
+            if d.get("epoch") != epoch:
+                return None  # the caller's epoch is stale: the worker refuses the batch anyway
+            ks = None
+            if d.get("prefill_input") == W.INPUT_BLOCK_KEYS:
+                ks = KeySpace(epoch, int(d["block_size"]), str(d["model_name"]), str(d["tokenizer"]))
+            self._inputs = {epoch: ks}
+            return ks
 
     # ---- decode ---------------------------------------------------------------------------
     async def decode(
@@ -276,6 +349,31 @@ def _sampling_inputs(
         _inp(p_name, np.array(values("top_p", 1.0), dtype=np.float64), "FP64"),
         _inp(s_name, np.array(seeds, dtype=np.int64), "INT64"),
     ]
+
+
+def _prompt_input(
+    requests: Sequence[tuple[str, np.ndarray]], ks: KeySpace | None, given: PromptKeys | None
+) -> Input:
+    """The prompts as block keys (8 bytes a block instead of 4 a token: 1/128 of the bytes at
+    block size 64) when the worker takes them, else as token ids. A batch without one full block
+    sends its ids: a zero-length tensor does not cross Triton reliably."""
+    if ks is not None:
+        if given is not None and (given.block_size, given.model, given.tokenizer) == (
+            ks.block_size,
+            ks.model,
+            ks.tokenizer,
+        ):
+            keys = [k for per in given.keys for k in per]
+        else:
+            keys = [
+                k
+                for _, t in requests
+                for k in block_keys(t, ks.block_size, model=ks.model, tokenizer=ks.tokenizer)
+            ]
+        if keys:
+            return _inp(W.P_BLOCK_KEYS, np.array(keys, dtype=np.uint64), "UINT64")
+    ids = np.concatenate([np.asarray(t, dtype=np.int32) for _, t in requests])
+    return _inp(W.P_INPUT_IDS, ids, "INT32")
 
 
 def _first(r: Any, name: str, default: Any) -> Any:

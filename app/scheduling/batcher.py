@@ -24,7 +24,8 @@ converts them for a driver whose clock runs at the worker's time scale.
 - Every algorithm: an item marked `drop_late` whose deadline (`Pending.deadline_ms`, 0 = none)
   has passed while it waited fails typed (`deadline_exceeded`) instead of taking engine time
   from the others.
-- Priorities and fairness (`fixed_window`, `window`, `direct`; `slo` orders by deadline): what
+- Priorities and fairness (`fixed_window`, `window`, `direct`; `slo` keeps the classes and the
+  promotion but orders each class by deadline instead of by tenant shares): what
   waits is taken highest class first (`Pending.priority`, 0 bulk … 3 system); an item that has
   waited `starvation_ms` counts in the highest class waiting, where it is its tenant's oldest
   (so a `bulk` one behind a stream of `interactive` ones waits about that long, then goes with
@@ -228,15 +229,22 @@ class Batcher:
         pend = self.pending
         tenants = {p.tenant for p in pend}
         self._level(tenants)
-        levels = {p.priority for p in pend}
-        if len(levels) <= 1 and len(tenants) <= 1:
+        if len({p.priority for p in pend}) <= 1 and len(tenants) <= 1:
             return pend
-        top, bound = max(levels), self.config.starvation_ms
-        classes = [top if bound and now_ms - p.arrival_ms >= bound else p.priority for p in pend]
+        classes = self._classes(now_ms)
         out: list[Pending] = []
         for cls in sorted(set(classes), reverse=True):
             out += fair_order([p for p, k in zip(pend, classes, strict=True) if k == cls], self.served)
         return out
+
+    def _classes(self, now_ms: float) -> list[int]:
+        """Each waiting item's class for ordering: its own, or the highest class waiting once it
+        has waited `starvation_ms` (the promotion)."""
+        top, bound = (
+            max((p.priority for p in self.pending), default=DEFAULT_PRIORITY),
+            self.config.starvation_ms,
+        )
+        return [top if bound and now_ms - p.arrival_ms >= bound else p.priority for p in self.pending]
 
     def _level(self, waiting: set[str]) -> None:
         """Forget tenants with nothing waiting; one that (re)joins starts at the least-served
@@ -353,8 +361,13 @@ class Batcher:
         self.pending = keep
 
     def _decide_slo(self, now_ms: float, d: Decision) -> Decision:
+        """Deadline order within a class, classes high to low (starvation promotion as in
+        `ordered`): the head is the most urgent item of the highest class waiting, so under
+        overload the lower classes wait, pass their SLO and fail first."""
         c = self.config
-        order = sorted(self.pending, key=self._deadline)
+        classes = self._classes(now_ms)
+        ranked = sorted(zip(classes, self.pending, strict=True), key=lambda x: (-x[0], self._deadline(x[1])))
+        order = [p for _, p in ranked]
         head = order[0]
         # Fill in deadline order while the head still finishes within its SLO.
         chosen: list[Pending] = []

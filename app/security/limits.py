@@ -16,6 +16,7 @@ import uuid
 from typing import Any
 
 from app import metrics as M
+from app.gateway.errors import ApiError
 
 #: A request id, from the body, `X-Request-Id` or a URL path: it becomes part of Redis keys
 #: (`{q:<id>}` is a hash tag, so a brace would move the key to another slot) and of log lines.
@@ -113,8 +114,8 @@ class BodyLimit:
             await _send_error(send, 413, "request_too_large", "invalid_request_error", message)
 
 
-#: Paths whose POSTs run a generation: the ones the per-replica cap counts.
-_CAPPED_PREFIXES = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
+#: Paths whose POSTs run a generation: the ones the per-replica cap and the tenant buckets count.
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/generate")
 #: Priority classes, lowest first (`x-flexlb-priority`), and the share of the replica's cap each
 #: may fill: under overload the lower classes are refused first, and `system` always has room
 #: the others cannot take.
@@ -122,6 +123,24 @@ PRIORITIES = ("bulk", "default", "interactive", "system")
 CAP_SHARE = {"bulk": 0.5, "default": 0.8, "interactive": 0.95, "system": 1.0}
 #: What a caller may ask for when no tenant grants more (FLEXLB_AUTH=none, or the tenant default).
 DEFAULT_MAX_PRIORITY = "interactive"
+
+
+def ask_priority(state: dict[str, Any], asked: str | int) -> None:
+    """A class asked for in the body (`/v1/generate`'s `priority`: a class name, or its level
+    0-3 with anything beyond clamped), where the header's was settled before the body was read.
+    Clamped to what the caller may ask for, like the header. A lower class than the cap admitted
+    this request under must also fit its own share of the cap (the body came too late to be
+    refused at the door): else 429 `overloaded`."""
+    if isinstance(asked, int):
+        asked = PRIORITIES[min(max(asked, 0), len(PRIORITIES) - 1)]
+    top = state.get("max_priority", DEFAULT_MAX_PRIORITY)
+    cls = PRIORITIES[min(PRIORITIES.index(asked), PRIORITIES.index(top))]
+    room = state.get("cap_room")
+    if room is not None and not room(cls):
+        raise ApiError(
+            "overloaded", f"this replica is past the share of its cap class {cls!r} may fill", retry_after_s=1
+        )
+    state["priority"] = cls
 
 
 def _header(scope: Any, name: bytes) -> str | None:
@@ -146,9 +165,13 @@ class ConcurrencyCap:
         self.in_flight = 0
         self._limits = {c: max(1, int(limit * share)) for c, share in CAP_SHARE.items()}
 
+    def _room(self, cls: str) -> bool:
+        """Whether the requests in flight, the asking one among them, fit `cls`'s share."""
+        return self.limit <= 0 or self.in_flight <= self._limits[cls]
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(_CAPPED_PREFIXES):
+        if scope["type"] != "http" or scope["method"] != "POST" or not path.startswith(GENERATION_PATHS):
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
@@ -160,6 +183,7 @@ class ConcurrencyCap:
         top = state.get("max_priority", DEFAULT_MAX_PRIORITY)
         cls = PRIORITIES[min(PRIORITIES.index(asked), PRIORITIES.index(top))]
         state["priority"] = cls
+        state["cap_room"] = self._room  # a body's `priority` is checked against it (ask_priority)
         if self.limit > 0 and self.in_flight >= self._limits[cls]:
             await _send_error(
                 send,

@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -25,8 +26,8 @@ from redis.exceptions import RedisError
 from app import metrics as M
 from app.gateway.errors import ApiError
 from app.security.apikeys import KeyRecord, KeyStore, Limits, limits_for, looks_like_key
-from app.security.limits import REQUEST_ID_RULE, valid_request_id
-from app.security.ratelimit import Limiter
+from app.security.limits import GENERATION_PATHS, REQUEST_ID_RULE, valid_request_id
+from app.security.ratelimit import Limiter, Verdict
 
 log = logging.getLogger("flexlb.security")
 
@@ -109,38 +110,73 @@ class Tenants:
         self._cache[key] = (rec, now + KEY_CACHE_S)
         return rec
 
-    async def admit(self, request: Any, rid: str, cost: int, timeout_ms: int) -> None:
-        """Take from the tenant's buckets or raise 429 `rate_limited` (with `Retry-After`); the
-        `x-ratelimit-*` headers go into the request's state for `TenantGate` to send."""
+    def check(self, request: Any, cost: int, timeout_ms: int) -> LimitCheck | None:
+        """The tenant's limit check for this request, or None when it has no limit. It costs no
+        command here: the request's first round trip carries it (`LimitCheck.run`)."""
         tenant = tenant_of(request)
         if tenant is None:
-            return
+            return None
         lim = limits_for(self._limits(), tenant)
         if not lim.limited:
-            return
-        try:
-            v = await self.limiter.admit(tenant, lim, rid, cost, timeout_ms)
-        except RedisError as exc:  # fail_closed, like the rest of the request path
-            raise ApiError("state_unavailable", "tenant limits unavailable", retry_after_s=1) from exc
-        state = request.scope.setdefault("state", {})
-        state["ratelimit_headers"] = v.headers
+            return None
+        return LimitCheck(self, tenant, lim, cost, timeout_ms, request.scope.setdefault("state", {}))
+
+    def settle(self, check: LimitCheck, v: Verdict, sent: float) -> None:
+        """Leave the verdict's `x-ratelimit-*` headers and concurrency slot in the request's state
+        for `TenantGate`; raise 429 `rate_limited` (with `Retry-After`) when refused.
+
+        When the bucket has no whole request token left (this request took the last, or was
+        refused for want of one), the tenant's generations are refused at the door until one
+        refills: a flooding tenant's excess then costs a replica the HTTP parsing only, never a
+        tokenisation, a routing or a Redis call. The window counts from `sent` (monotonic, when
+        the script was sent: it ran later), so it never outlasts the server's."""
+        tenant, lim = check.tenant, check.limits
+        check.state["ratelimit_headers"] = v.headers
         if v.holds_slot:
-            state["slot"] = (tenant, rid)
-        if not v.allowed:
-            if v.reason == "requests":  # no request of this tenant can pass before then: say so here
-                self._refused[tenant] = (time.monotonic() + v.retry_after_ms / 1000, v.headers)
-            M.RATE_LIMITED.labels(v.reason or "requests").inc()
-            what = {
-                "requests": f"{lim.rps:g} requests/s",
-                "tokens": f"{lim.tpm} tokens/min",
-                "tokens_above_limit": f"{lim.tpm} tokens/min (this request alone needs {cost})",
-                "concurrent": f"{lim.max_concurrent} concurrent requests",
-            }.get(v.reason, v.reason)
-            raise ApiError(
-                "rate_limited",
-                f"tenant {tenant!r} is over its limit of {what}",
-                retry_after_s=max(1.0, v.retry_after_ms / 1000),
-            )
+            check.state["slot"] = (tenant, check.rid)
+        if v.next_request_ms > 0:
+            self._refused[tenant] = (sent + v.next_request_ms / 1000, v.headers)
+        if v.allowed:
+            return
+        retry_s = max(1.0, v.retry_after_ms / 1000)
+        # Sent by `TenantGate` too: a stream's error before its first byte is re-raised from its
+        # SSE body, which has no Retry-After of its own (it would say the generic 1 s).
+        check.state["ratelimit_headers"] = [*v.headers, (b"retry-after", str(round(retry_s)).encode())]
+        M.RATE_LIMITED.labels(v.reason or "requests").inc()
+        what = {
+            "requests": f"{lim.rps:g} requests/s",
+            "tokens": f"{lim.tpm} tokens/min",
+            "tokens_above_limit": f"{lim.tpm} tokens/min (this request alone needs {check.cost})",
+            "concurrent": f"{lim.max_concurrent} concurrent requests",
+        }.get(v.reason, v.reason)
+        raise ApiError(
+            "rate_limited", f"tenant {tenant!r} is over its limit of {what}", retry_after_s=retry_s
+        )
+
+
+@dataclass
+class LimitCheck:
+    """A limited tenant's check, pending until the request's first round trip (the record, the
+    decode hold and the hand-off: app/request/handoff_stage.py) carries it in one script."""
+
+    tenants: Tenants
+    tenant: str
+    limits: Limits
+    cost: int  # prompt + max output tokens, taken from the token bucket up front
+    timeout_ms: int  # a concurrency hold expires with the request's deadline
+    state: dict[str, Any]  # the request's ASGI state: headers and slot for `TenantGate`
+    rid: str = ""
+
+    async def run(self, rid: str, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+        """The check, then `cmds` only when it passed; their replies. A refusal raises 429 and
+        leaves Redis as it was (but for the bucket's refill)."""
+        self.rid = rid
+        sent = time.monotonic()
+        v, replies = await self.tenants.limiter.run(
+            self.tenant, self.limits, rid, self.cost, self.timeout_ms, cmds
+        )
+        self.tenants.settle(self, v, sent)
+        return replies
 
 
 def _bearer(scope: Any) -> str:
@@ -183,11 +219,15 @@ class TenantGate:
         async def send_with_headers(msg: Any) -> None:
             if msg["type"] == "http.response.start":
                 extra = state.get("ratelimit_headers")
-                if extra:
-                    msg = {**msg, "headers": [*msg.get("headers", []), *extra]}
+                if extra:  # ours replace the response's own of the same name (Retry-After)
+                    names = {k for k, _ in extra}
+                    kept = [h for h in msg.get("headers", []) if h[0].lower() not in names]
+                    msg = {**msg, "headers": [*kept, *extra]}
             await send(msg)
 
-        refused = self.tenants.refused_locally(rec.tenant)
+        # the buckets count generations only: reading or cancelling a request stays possible
+        generation = scope["method"] == "POST" and scope["path"].startswith(GENERATION_PATHS)
+        refused = self.tenants.refused_locally(rec.tenant) if generation else None
         if refused is not None:
             await _reply(send, refused[0], refused[1])
             return

@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--kv-capacity-tokens", type=int, default=None)
+    p.add_argument(
+        "--kv-handle-ttl-ms", type=float, default=30_000.0, help="modelled ms a KV waits for decode"
+    )
     p.add_argument("--model", default="flexlb-sim")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-level", default="warning")
@@ -455,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         time_scale=a.time_scale,
         block_size=a.block_size,
         kv_capacity_tokens=a.kv_capacity_tokens,
+        kv_handle_ttl_ms=a.kv_handle_ttl_ms,
         seed=a.seed,
         model_name=a.model,
     )

@@ -44,6 +44,7 @@ class ControlModel:
     profile: EngineProfile
     current: dict[str, Any]
     released: dict[str, int]
+    needs_input_ids: bool  # PrefillModel's (True in hf_service)
     _status_seq: int
 
     @property
@@ -80,6 +81,8 @@ class ControlModel:
             return await self._configure(body)
         if op == "reset":
             return await self.runner.call(self._reset)
+        if op == "describe":  # static: a client's first prefill must not wait on a hang for it
+            return self._describe()
         await self._wait_unhung()
         if op == "status":
             return await self.runner.call(lambda: self._status(int(body.get("since_seq", 0))))
@@ -101,6 +104,17 @@ class ControlModel:
             rid = str(body["request_id"])
             return await self.runner.call(lambda: self._release(rid))
         raise ControlError(f"unknown op {op!r}")
+
+    def _describe(self) -> dict[str, Any]:
+        """What a client needs to shape its prefill input (docs/worker-protocol.md §7.7): which
+        of ids or block keys the engine takes, and the key space to hash the keys in."""
+        return {
+            "role": self.cfg.role,
+            "prefill_input": W.INPUT_IDS if self.needs_input_ids else W.INPUT_BLOCK_KEYS,
+            "block_size": self.cfg.block_size,
+            "model_name": self.cfg.model_name,
+            "tokenizer": self.cfg.tokenizer,
+        }
 
     async def _wait_unhung(self) -> None:
         """Fault `hang`: the worker stops answering anything but configure/reset."""

@@ -95,12 +95,13 @@ class HfWorkerService(WorkerService):
         return self.core
 
     # ---- prefill ----------------------------------------------------------------------------
+    needs_input_ids = True  # the model computes on the tokens: block keys alone are refused
+
     def _prefill_request(
-        self, req: Any, i: int, rid: str, toks: np.ndarray, keys: tuple[int, ...]
+        self, req: Any, i: int, rid: str, n: int, toks: np.ndarray | None, keys: tuple[int, ...]
     ) -> PrefillRequest:
-        return HfPrefillRequest(
-            rid, len(toks), keys, tokens=tuple(int(t) for t in toks), sampling=_sampling(req, i, None)
-        )
+        assert toks is not None  # _parse_prefill refuses a batch without ids (needs_input_ids)
+        return HfPrefillRequest(rid, n, keys, tokens=tuple(toks.tolist()), sampling=_sampling(req, i, None))
 
     async def _fetch_local(self, rid: str, epoch: str) -> tuple[str, bytes | None]:
         """Side channel, prefill side: hand over the handle's KV frame and release the handle."""

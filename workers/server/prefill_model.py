@@ -37,6 +37,9 @@ class PrefillModel(StreamBase):
 
     epoch: str
     core: Any
+    # Whether the engine reads the prompt's token ids (a real model) or only its lengths and
+    # block keys (the simulated core): `describe` tells clients which input to send (§4.1).
+    needs_input_ids: bool = False
     runner: EngineRunner
     _subs: dict[str, list[Subscriber]]
 
@@ -65,15 +68,24 @@ class PrefillModel(StreamBase):
         loop = asyncio.get_running_loop()
         sub = Subscriber(loop)
         pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub))
-        yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
         if replay is not None:
-            yield (
-                p_results(self.epoch, batch_id, replay, final=True)
-                if replay
-                else p_event(self.epoch, "final", batch_id)
-            )
+            if replay:  # its results ride on `accepted` (§4.2): one event instead of two
+                yield _accepted(p_results(self.epoch, batch_id, replay, final=True), pos)
+            else:
+                yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
+                yield p_event(self.epoch, "final", batch_id)
             return
-        held: tuple[str, Any] | None = None
+        held: tuple[str, Any] | None = self._peek(sub)
+        if held is not None and held[0] == "results":
+            # The batch finished before `accepted` left (a zero-time engine, refused members):
+            # `accepted` rides on its first results, and `final` too when it is queued (§4.2).
+            payload, held = held[1], self._peek(sub)
+            last = held is not None and held[0] == "final"
+            yield _accepted(p_results(self.epoch, batch_id, payload, final=last), pos)
+            if last:
+                return
+        else:
+            yield p_event(self.epoch, "accepted", batch_id, queue_position=pos)
         while True:
             item, held = held or await self._next(sub), None
             if item is None:
@@ -100,26 +112,43 @@ class PrefillModel(StreamBase):
             raise ControlError(f"{EngineStatus.EPOCH_MISMATCH}: worker epoch is {self.epoch}")
         if not batch_id:
             raise ControlError(f"{EngineStatus.INVALID}: batch_id is required")
-        ids_t, lens_t, rid_t = get(req, W.P_INPUT_IDS), get(req, W.P_INPUT_LENGTHS), get(req, W.P_REQUEST_IDS)
-        if ids_t is None or lens_t is None or rid_t is None:
+        ids_t, keys_t = get(req, W.P_INPUT_IDS), get(req, W.P_BLOCK_KEYS)
+        lens_t, rid_t = get(req, W.P_INPUT_LENGTHS), get(req, W.P_REQUEST_IDS)
+        if (ids_t is None and keys_t is None) or lens_t is None or rid_t is None:
             raise ControlError(
                 f"{EngineStatus.INVALID}: request_ids, input_ids and input_lengths are required"
             )
+        if ids_t is None and self.needs_input_ids:
+            raise ControlError(f"{EngineStatus.INVALID}: {W.NEEDS_INPUT_IDS}")
         rids = as_strs(rid_t)
         lens = lens_t.reshape(-1).astype(np.int64)
-        ids = ids_t.reshape(-1)
         if len(rids) == 0:
             raise ControlError(f"{EngineStatus.INVALID}: empty batch")
-        if len(lens) != len(rids) or int(lens.sum()) != len(ids) or (lens < 0).any():
+        bad = len(lens) != len(rids) or (lens < 0).any()
+        ids = ids_t.reshape(-1) if ids_t is not None else None
+        bs = self.cfg.block_size
+        if not bad and ids is not None:
+            bad = int(lens.sum()) != len(ids)
+        # Keys the caller hashed (§4.1): the worker skips hashing, and the 4 bytes a token of
+        # input_ids never cross the gRPC -> Triton -> stub -> zmq (base64 + JSON) path.
+        keys = keys_t.reshape(-1).tolist() if keys_t is not None and ids is None else None
+        if not bad and keys is not None:
+            bad = int((lens // bs).sum()) != len(keys)
+        if bad:
             raise ControlError(f"{EngineStatus.INVALID}: input_lengths do not match input_ids/request_ids")
         out: list[PrefillRequest] = []
-        off = 0
-        bs = self.cfg.block_size
+        off = koff = 0
         for rid, n in zip(rids, lens.tolist(), strict=True):
-            toks = ids[off : off + n]
-            off += n
-            keys = block_keys(toks, bs, model=self.cfg.model_name, tokenizer=self.cfg.tokenizer)
-            out.append(self._prefill_request(req, len(out), rid, toks, tuple(keys)))
+            if ids is not None:
+                toks = ids[off : off + n]
+                off += n
+                ks = tuple(block_keys(toks, bs, model=self.cfg.model_name, tokenizer=self.cfg.tokenizer))
+            else:
+                assert keys is not None
+                toks = None
+                ks = tuple(keys[koff : koff + n // bs])
+                koff += n // bs
+            out.append(self._prefill_request(req, len(out), rid, n, toks, ks))
         return out
 
     def _submit_prefill(
@@ -143,14 +172,18 @@ class PrefillModel(StreamBase):
         self._subs.setdefault(batch_id, []).append(sub)
         out = core.submit(batch_id, reqs, now)
         self._route(out.effects)
+        # What is due now (a zero-time batch's end) is delivered before `accepted` is sent, not at
+        # the engine thread's next wake-up, so both can travel as one event.
+        self._route(core.advance_to(now))
         return out.queue_position, None
 
     def _prefill_request(
-        self, req: Any, i: int, rid: str, toks: np.ndarray, keys: tuple[int, ...]
+        self, req: Any, i: int, rid: str, n: int, toks: np.ndarray | None, keys: tuple[int, ...]
     ) -> PrefillRequest:
-        """Member `i` of the batch as the engine takes it (a real engine also needs the tokens
-        and the sampling fields: hf_service.py)."""
-        return PrefillRequest(rid, len(toks), keys)
+        """Member `i` of the batch as the engine takes it: the simulated engine needs the length
+        and the block keys only; a real engine also needs the tokens (`needs_input_ids`) and
+        the sampling fields (hf_service.py)."""
+        return PrefillRequest(rid, n, keys)
 
     async def _claim_local(self, rid: str, epoch: str) -> str:
         """A claim arriving over the side channel: the same answer as `control.release`."""
@@ -158,3 +191,9 @@ class PrefillModel(StreamBase):
         if epoch and epoch != self.epoch:
             return EngineStatus.EPOCH_MISMATCH
         return str((await self.runner.call(lambda: self._release(rid)))["status"])
+
+
+def _accepted(ev: dict[str, np.ndarray], queue_position: int) -> dict[str, np.ndarray]:
+    """`accepted` folded into a `results` event: its `queue_position` rides along (§4.2)."""
+    ev[W.P_QUEUE_POSITION] = np.array([queue_position], dtype=np.int32)
+    return ev
