@@ -19,48 +19,10 @@ app = typer.Typer(
 )
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        d = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        for k in (
-            "event",
-            "request_id",
-            "trace_id",
-            "worker",
-            "prefill_worker",
-            "decode_worker",
-            "batch_id",
-            "batch_size",
-            "reason",
-            "code",
-            "user",  # OpenAI `user` of the request
-        ):
-            v = getattr(record, k, None)
-            if v is not None:
-                d[k] = v
-        if record.exc_info:
-            d["exc"] = self.formatException(record.exc_info)
-        return json.dumps(d)
-
-
 def setup_logging(level: str = "INFO") -> None:
-    # Our JSON lines never show the caller's file/line, thread or process names: skip collecting
-    # them (the logging docs' "Optimization" switches). A request writes ~6 lines, and the
-    # caller lookup alone walked the stack for each.
-    logging._srcfile = None  # type: ignore[attr-defined]
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
-    h = logging.StreamHandler()
-    h.setFormatter(_JsonFormatter())
-    root = logging.getLogger()
-    root.handlers[:] = [h]
-    root.setLevel(level.upper())
+    from app.logging_setup import setup_logging as setup
+
+    setup(level)
 
 
 @app.callback()
@@ -182,8 +144,13 @@ def gateway(
     replica_id: Annotated[str | None, typer.Option(help="stable replica id (FLEXLB_REPLICA_ID)")] = None,
     host: Annotated[str | None, typer.Option(help="listen address (FLEXLB_HOST)")] = None,
     log_level: str = "INFO",
+    procs: Annotated[
+        int | None,
+        typer.Option(help="serving processes on the port, each a replica (FLEXLB_GATEWAY_PROCS, default 1)"),
+    ] = None,
+    reuseport: Annotated[bool, typer.Option(hidden=True, help="one of --procs: SO_REUSEPORT")] = False,
 ) -> None:
-    """Run one gateway replica."""
+    """Run one gateway replica (or --procs N serving processes on one port)."""
     setup_logging(log_level)
     import uvicorn
 
@@ -193,10 +160,19 @@ def gateway(
 
     overrides = {
         k: v
-        for k, v in {"port": port, "redis_url": redis_url, "replica_id": replica_id, "host": host}.items()
+        for k, v in {
+            "port": port,
+            "redis_url": redis_url,
+            "replica_id": replica_id,
+            "host": host,
+            "gateway_procs": procs,
+        }.items()
         if v is not None
     }
     settings = Settings(**overrides)  # type: ignore[arg-type]
+    from app.logging_setup import set_lifecycle_sample
+
+    set_lifecycle_sample(settings.log_lifecycle_sample)
     try:
         seed = parse_workers(workers) if workers else []
     except BadWorkerSpec as exc:
@@ -210,9 +186,18 @@ def gateway(
         url = emb.url
     log.info("redis_url=%s", url)
     log.info("config %s", json.dumps(_redacted(settings)))
-    app_ = create_app(settings, url, seed)
-    from app.gateway.server import DrainingServer
+    from app.gateway.procs import ServingProcs, reuseport_socket
+    from app.gateway.server import SHUTDOWN_GRACE_S, DrainingServer
 
+    many = settings.gateway_procs > 1 or reuseport
+    sockets = [reuseport_socket(settings.host, settings.port)] if many else None
+    others = None
+    if settings.gateway_procs > 1:
+        argv = ["--port", str(settings.port), "--host", settings.host, "--log-level", log_level]
+        argv.append("--reuseport")
+        others = ServingProcs(settings.gateway_procs, argv, settings.replica_id, url)
+        others.start()
+    app_ = create_app(settings, url, seed)
     config = uvicorn.Config(
         app_,
         host=settings.host,
@@ -220,8 +205,13 @@ def gateway(
         log_config=None,
         lifespan="on",
         timeout_graceful_shutdown=10,
+        access_log=settings.access_log,
     )
-    DrainingServer(config, app_.state.replica, settings.drain_timeout_s).run()
+    try:
+        DrainingServer(config, app_.state.replica, settings.drain_timeout_s, others).run(sockets=sockets)
+    finally:
+        if others is not None:
+            others.wait(settings.drain_timeout_s + SHUTDOWN_GRACE_S)
 
 
 def _redacted(settings: object) -> dict[str, object]:
@@ -251,6 +241,9 @@ def up(
     redis_ha: Annotated[
         bool, typer.Option("--redis-ha", help="Redis master + replica + 3 sentinels on loopback")
     ] = False,
+    gateway_procs: Annotated[
+        int, typer.Option(min=1, help="serving processes per gateway replica, on its one port (SO_REUSEPORT)")
+    ] = 1,
 ) -> None:
     """Run the local stack in the foreground: Redis, workers, gateways (Ctrl-C stops everything)."""
     from pathlib import Path
@@ -280,6 +273,7 @@ def up(
             redis_url=redis_url,
             worker_args=engine_args,
             redis_ha=redis_ha,
+            gateway_procs=gateway_procs,
         )
     )
 

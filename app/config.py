@@ -90,6 +90,14 @@ class Settings(BaseSettings):
     sse_buffer_chunks: int = Field(64, description="SSE relay buffer (chunks) per stream")
     sse_stall_timeout_s: float = Field(30.0, description="how long a full SSE buffer may wait for the client")
     embedded_redis_idle_s: int = Field(60, description="embedded Redis exits after this idle time")
+    log_lifecycle_sample: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="share of requests logging every lifecycle transition at INFO (terminal line: always)",
+    )
+    gateway_procs: int = Field(1, ge=1, le=256, description="serving processes on the port (SO_REUSEPORT)")
+    access_log: bool = Field(False, description="uvicorn's access line per HTTP request")
 
     def admission_config(self) -> AdmissionConfig:
         """The origin's SLO admission knobs, shared with the simulator (`SimConfig.admission`)."""

@@ -184,6 +184,7 @@ def run_stack(
     redis_url: str | None = None,
     worker_args: list[str] | None = None,
     redis_ha: bool = False,
+    gateway_procs: int = 1,
 ) -> int:
     log_dir = _run_dir(log_dir)
     console = Console(log_dir / "up.log")
@@ -221,8 +222,11 @@ def run_stack(
             for i in range(n)
         ]
         procs += workers
+        # --gateway-procs: each replica serves its port from that many processes (app/gateway/procs.py)
+        gargs = ["--procs", str(gateway_procs)] if gateway_procs > 1 else []
         gws = [
-            spawn(f"gateway-{i}", ["gateway", "--port", str(port + i)], log_dir, env) for i in range(gateways)
+            spawn(f"gateway-{i}", ["gateway", "--port", str(port + i), *gargs], log_dir, env)
+            for i in range(gateways)
         ]
         procs += gws
         _all_ready(workers, 90)

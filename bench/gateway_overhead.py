@@ -48,7 +48,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,10 @@ from _gw_cluster import (
     TARGETS,
     WORKER_ARGS,
     Gateway,
+    Plan,
+    make_plan,
+    owners,
+    parse_args,
     redis_ping_hist,
     setup_cluster,
     wait_for,
@@ -66,7 +69,6 @@ from _gw_cluster import (
 from _gw_loadgen import OPEN_LOOP_MAX_INFLIGHT, REQUEST_TIMEOUT_S, LoadGen
 from _gw_report import render, summary_md
 from _harness import (
-    DEFAULT_OUT,
     CpuMeter,
     Proc,
     console,
@@ -75,6 +77,7 @@ from _harness import (
     r3,
     stop_on_sigterm,
 )
+from gw_profile import Profiler
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -83,33 +86,21 @@ def errors_of(codes: dict[str, int]) -> dict[str, int]:
 
 
 # ---- the run ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Plan:
-    open_rate: float = 100.0
-    open_s: float = 20.0
-    e2e_n: int = 200
-    closed_s: float = 10.0
-    concurrency: tuple[int, ...] = (1, 32, 128)
-    idle_s: float = 5.0
-    warmup: int = 20
-
-
-FULL = Plan()
-QUICK = Plan(open_s=5.0, e2e_n=50, closed_s=3.0, warmup=10)
-
-
-def make_plan(args: argparse.Namespace) -> Plan:
-    plan = QUICK if args.quick else FULL
-    return replace(plan, open_rate=args.rate) if args.rate else plan
-
-
 class Bench:
-    def __init__(self, plan: Plan, gateways: list[Gateway], workers: list[Proc], redis_pid: int | None):
+    def __init__(
+        self,
+        plan: Plan,
+        gateways: list[Gateway],
+        workers: list[Proc],
+        redis_pid: int | None,
+        py_spy: Path | None = None,
+    ):
         self.plan = plan
         self.gws = gateways
         self.workers = workers
         self.urls = [g.url for g in gateways]
-        self.gw_cpu = CpuMeter([g.proc.pid for g in gateways])
+        self.gw_cpu = CpuMeter([g.proc.pid for g in gateways], tree=True)  # --gateway-procs children
+        self.prof = Profiler(py_spy, [pid for g in gateways for pid in g.pids()])
         self.worker_cpu = CpuMeter([w.pid for w in workers], tree=True)
         self.redis_cpu = CpuMeter([redis_pid]) if redis_pid else None
         self.lg = LoadGen()
@@ -117,6 +108,7 @@ class Bench:
         self.worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
         self.incidents: list[dict[str, Any]] = []
         self._dead: set[int] = set()
+        self.idle_gw_cores = 0.0  # the gateways' background loops, from `idle_rate`
 
     def phase(self, name: str, fn: Any, *args: Any) -> Any:
         """Run one measured phase: settle first, then note whether a process died during it."""
@@ -140,14 +132,12 @@ class Bench:
         ids = {f"{w.info['role']}@{w.info['address']}" for w in self.workers if w.popen.poll() is None}
 
         def ready() -> bool:
-            owned: list[str] = []
             for g in self.gws:
                 resp = g.get("/readyz")
                 body = resp.json()
                 if resp.status_code != 200 or any(body["workers"].get(w) != "up" for w in ids):
                     return False
-                owned += body["owned"]
-            return ids <= set(owned)
+            return ids <= set(owners(self.gws[0]))
 
         wait_for(ready, timeout, f"the cluster to be ready before {phase}", interval=0.25)
         return round(time.monotonic() - t0, 2)
@@ -164,7 +154,12 @@ class Bench:
                 self._dead.add(p.pid)
                 tail = p.log_tail(600).strip().replace("\n", " | ")
                 self.incidents.append(
-                    {"seen": when, "process": f"{p.name} {p.pid}", "rc": p.popen.returncode, "log_tail": tail}
+                    {
+                        "seen": when,
+                        "process": f"{p.name} {p.pid}",
+                        "rc": p.popen.returncode,
+                        "log_tail": tail,
+                    }
                 )
                 console.print(f"[red]{when}: {p.name} ({p.pid}) exited rc={p.popen.returncode}")
                 if p.name.startswith("gateway"):
@@ -206,6 +201,7 @@ class Bench:
             (b["redis_commands_total"] - a["redis_commands_total"]) / (t1 - t0)
             for a, b in zip(s0, s1, strict=True)
         ]
+        self.idle_gw_cores = (c1["gateways"] - c0["gateways"]) / (t1 - t0)
         return {
             **self.cores(c0, c1),
             "window_s": r3(t1 - t0),
@@ -288,17 +284,18 @@ class Bench:
         dec = [(w.info["address"], w.info["epoch"]) for w in self.live_workers("decode")]
         self.stats(True)
         c0 = self.cpu()
-        res = self.lg.call(
-            "e2e",
-            p.e2e_n * 2 * REQUEST_TIMEOUT_S,
-            urls=self.urls,
-            prefill=pre,
-            decode=dec,
-            n=p.e2e_n,
-            n_tokens=PROMPT_TOKENS,
-            max_new=MAX_NEW_TOKENS,
-            seed=seed,
-        )
+        with self.prof.phase("sequential"):
+            res = self.lg.call(
+                "e2e",
+                p.e2e_n * 2 * REQUEST_TIMEOUT_S,
+                urls=self.urls,
+                prefill=pre,
+                decode=dec,
+                n=p.e2e_n,
+                n_tokens=PROMPT_TOKENS,
+                max_new=MAX_NEW_TOKENS,
+                seed=seed,
+            )
         c1 = self.cpu()
         s1 = self.stats(True)
         g, d = res["gateway_ms"], res["direct_ms"]
@@ -316,6 +313,14 @@ class Bench:
             "direct_errors": errors_of(res["direct_codes"]),
             "unloaded_origin_p50_ms": r3(pct(origin, 50)),
             "unloaded_handoff_p50_ms": r3(pct(handoff, 50)),
+            # the gateways are idle while the direct requests run: all their CPU is the n requests'
+            "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / len(g)) if g else None,
+            "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / len(g)) if g else None,
+            "gateway_cpu_ms_per_req_net": r3(
+                (c1["gateways"] - c0["gateways"] - self.idle_gw_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
+            )
+            if g
+            else None,
             **self.cores(c0, c1),
         }
 
@@ -326,16 +331,17 @@ class Bench:
             settle_s = self.settle(f"closed loop at {c} clients")
             before = len(self.incidents)
             c0 = self.cpu()
-            res = self.lg.call(
-                "closed_loop",
-                p.closed_s + REQUEST_TIMEOUT_S + 60,
-                urls=self.urls,
-                concurrency=c,
-                duration=p.closed_s,
-                n_tokens=PROMPT_TOKENS,
-                max_new=MAX_NEW_TOKENS,
-                seed=seed + c,
-            )
+            with self.prof.phase(f"closed{c}"):
+                res = self.lg.call(
+                    "closed_loop",
+                    p.closed_s + REQUEST_TIMEOUT_S + 60,
+                    urls=self.urls,
+                    concurrency=c,
+                    duration=p.closed_s,
+                    n_tokens=PROMPT_TOKENS,
+                    max_new=MAX_NEW_TOKENS,
+                    seed=seed + c,
+                )
             c1 = self.cpu()
             ok = res["codes"].get("ok", 0)
             lat = res["latency_ms"]
@@ -351,6 +357,7 @@ class Bench:
                     "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / ok)
                     if ok
                     else None,
+                    "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / ok) if ok else None,
                     **self.cores(c0, c1),
                     "settle_s": settle_s,
                     "deaths_during": self.check_alive(f"after closed loop at {c} clients") - before,
@@ -381,7 +388,7 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         console.print(f"ownership: {results['ownership']}")
         with contextlib.suppress(Exception):
             results["runtime_config"] = gws[0].get("/admin/config", admin=True).json().get("config")
-        bench = Bench(plan, gws, workers, emb.pid if emb else None)
+        bench = Bench(plan, gws, workers, emb.pid if emb else None, args.py_spy)
         warm = bench.lg.call(
             "sequential",
             120,
@@ -399,12 +406,13 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
             f"[bold]1. open loop[/bold] {plan.open_rate:g} req/s x {plan.open_s:g} s "
             f"(idle Redis {idle['total_per_s']} cmd/s)"
         )
-        results["open_loop"] = bench.phase("open loop", bench.open_loop, idle, args.seed + 1)
-        ol = results["open_loop"]
-        console.print(
-            f"  ok {ol['ok']}/{ol['sent']}, origin p50 {ol['origin_p50_ms']} ms, "
-            f"hand-off p50 {ol['handoff_p50_ms']} ms, redis net {ol['redis_cmds_per_req_net']}/req"
-        )
+        if plan.open_s > 0:
+            results["open_loop"] = bench.phase("open loop", bench.open_loop, idle, args.seed + 1)
+            ol = results["open_loop"]
+            console.print(
+                f"  ok {ol['ok']}/{ol['sent']}, origin p50 {ol['origin_p50_ms']} ms, "
+                f"hand-off p50 {ol['handoff_p50_ms']} ms, redis net {ol['redis_cmds_per_req_net']}/req"
+            )
         console.print(f"[bold]2. end-to-end vs direct[/bold] ({plan.e2e_n} sequential each)")
         results["e2e"] = bench.phase("end-to-end", bench.e2e, args.seed + 2)
         console.print(f"[bold]3. closed loop[/bold] {plan.concurrency}, {plan.closed_s:g} s each")
@@ -419,10 +427,17 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         exits: dict[str, dict[str, Any]] = {}
         gw_procs = [p for p in procs if p.name.startswith("gateway")]
         others = [p for p in procs if not p.name.startswith("gateway")]
-        for group in (gw_procs, others):  # gateways first: they leave the cluster cleanly
+        for group in (
+            gw_procs,
+            others,
+        ):  # gateways first: they leave the cluster cleanly
             with ThreadPoolExecutor(max(1, len(group))) as ex:
                 for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
-                    exits[f"{p.name} {p.pid}"] = {"rc": rc, "stop_s": p.stop_s, "hung": p.hung}
+                    exits[f"{p.name} {p.pid}"] = {
+                        "rc": rc,
+                        "stop_s": p.stop_s,
+                        "hung": p.hung,
+                    }
         results["shutdown"] = exits
         if emb is not None:
             emb.stop()
@@ -430,31 +445,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
 
 
 # ---- main ---------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--quick", action="store_true", help="short phases (5 s open loop, 50 sequential, 3 s closed)"
-    )
-    p.add_argument(
-        "--output", type=Path, default=DEFAULT_OUT, help="directory for results.json and summary.md"
-    )
-    p.add_argument("--redis-url", default=None, help="use this Redis instead of an embedded one")
-    p.add_argument("--gateway-log-level", default="INFO", help="gateway --log-level (product default INFO)")
-    p.add_argument("--rate", type=float, default=None, help="open-loop rate in req/s (default 100)")
-    p.add_argument(
-        "--schedule",
-        choices=["direct", "batching"],
-        default="direct",
-        help="direct (default): each request its own batch, dispatched at once, as issue #4 measures "
-        "the path; batching: the product's default batcher (fixed window, at most 2 batches in flight "
-        "per worker, so a request can wait for a batch to finish: batching policy, not hand-off)",
-    )
-    p.add_argument("--seed", type=int, default=1)
-    return p.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     out_dir: Path = args.output
     log_dir = out_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -470,6 +462,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "worker_args": WORKER_ARGS + KV_TTL_ARGS,
             "gateway_log_level": args.gateway_log_level,
             "schedule": args.schedule,
+            "replicas": args.replicas,
+            "prefill_workers": args.prefill,
+            "decode_workers": args.decode,
+            "gateway_procs": args.gateway_procs,
             "targets": TARGETS,
             "open_loop_max_inflight": OPEN_LOOP_MAX_INFLIGHT,
             "request_timeout_s": REQUEST_TIMEOUT_S,

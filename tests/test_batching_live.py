@@ -34,8 +34,9 @@ def one_prefill_cluster(worker_pool, shared_embedded_redis, cluster, tmp_path):
 
     asyncio.run(conf())
     spec = f"prefill@{p.address},decode@{d.address}"
-    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
-    b = start_gateway(tmp_path, shared_embedded_redis, cluster)
+    every = {"FLEXLB_LOG_LIFECYCLE_SAMPLE": "1"}  # test_batching_lifecycle reads every transition
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **every)
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster, **every)
     wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 15, what="ready")
     yield a, b
     a.stop()

@@ -13,9 +13,19 @@ from fastapi import APIRouter, Request
 from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse
 
+from app.api.arrival import arrival_of
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
-from app.api.streaming import collect, guarded, relay, sse, sse_error, stored_or_error, stream_response
+from app.api.streaming import (
+    answer,
+    collect,
+    guarded,
+    relay,
+    sse,
+    sse_error,
+    stored_or_error,
+    stream_response,
+)
 from app.dispatch.items import level_of
 from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest
@@ -144,6 +154,7 @@ async def _prepare(
         user=user or "",
         deadline_ms=deadline,
         priority=level_of(request.scope.get("state", {}).get("priority")),  # set by ConcurrencyCap
+        t_arrival=arrival_of(request.scope),
         limit=limit,
     )
 
@@ -187,21 +198,23 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     created = int(time.time())
     if not body.stream:
         o = await guarded(request, collect(r, req))
-        return {
-            "id": cid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": cut_at_stop(_text(r, o["output_ids"]), stops),
-                    "logprobs": None,
-                    "finish_reason": o["finish_reason"] or "length",
-                }
-            ],
-            "usage": _usage(o),
-        }
+        return answer(
+            {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": cut_at_stop(_text(r, o["output_ids"]), stops),
+                        "logprobs": None,
+                        "finish_reason": o["finish_reason"] or "length",
+                    }
+                ],
+                "usage": _usage(o),
+            }
+        )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def piece(text: str, where: str) -> dict[str, Any]:
@@ -292,23 +305,25 @@ async def chat(body: ChatRequest, request: Request) -> Any:
     created = int(time.time())
     if not body.stream:
         o = await guarded(request, collect(r, req))
-        return {
-            "id": cid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {
-                        "role": "assistant",
-                        "content": cut_at_stop(_text(r, o["output_ids"]), stops),
-                    },
-                    "finish_reason": o["finish_reason"] or "length",
-                }
-            ],
-            "usage": _usage(o),
-        }
+        return answer(
+            {
+                "id": cid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": cut_at_stop(_text(r, o["output_ids"]), stops),
+                        },
+                        "finish_reason": o["finish_reason"] or "length",
+                    }
+                ],
+                "usage": _usage(o),
+            }
+        )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     def piece(text: str, where: str) -> dict[str, Any]:
@@ -363,7 +378,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     )
     req.sampling = sampling_of(body)
     if not body.stream:
-        return _native(r, await guarded(request, collect(r, req)))
+        return answer(_native(r, await guarded(request, collect(r, req))))
 
     async def gen() -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(r.tokenizer)

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import Response, StreamingResponse
 
 from app.gateway.errors import ApiError
 from app.request.pipeline import GenRequest, StoredOutcome
@@ -58,6 +59,17 @@ async def guarded(request: Request, work: Awaitable[T]) -> T:
     if watch.done() and not watch.cancelled():
         raise ApiError("cancelled", "client disconnected")
     raise ApiError("cancelled", "request cancelled")
+
+
+def answer(body: dict[str, Any]) -> Response:
+    """A non-streaming answer, encoded once: FastAPI would first walk a returned dict through
+    `jsonable_encoder` (a copy of every value, ~1,000 output ids included) before the same
+    `json.dumps` as here (JSONResponse's own settings). Anything json cannot encode still goes
+    through FastAPI's encoder."""
+    raw = json.dumps(
+        body, ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=jsonable_encoder
+    )
+    return Response(raw.encode(), media_type="application/json")
 
 
 async def collect(r: Any, req: GenRequest) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from app.cluster.loops import LoopHealth
 from app.dispatch.claim import OwnerClaims
 from app.dispatch.items import QueueItem, parse_item
 from app.dispatch.ledger import OwnerLedger
+from app.logging_setup import lifecycle_sampled
 from app.protocol.codes import EngineStatus
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
@@ -345,6 +346,8 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         self._marks.add(mark)
         mark.add_done_callback(self._marks.discard)
         for i in live:
+            if not lifecycle_sampled(i.request_id):  # the terminal line is the origin's
+                continue
             log.info(
                 "request %s dispatched",
                 i.request_id,

@@ -201,7 +201,7 @@ async def stats(request: Request) -> dict[str, Any]:
         raise ApiError("invalid_request", "GET /admin/stats is read-only; reset with POST /admin/stats/reset")
     r = _replica(request)
     out = {name: list(ring.values) for name, ring in M.SAMPLES.items()}
-    return {"replica": r.replica_id, "redis_commands_total": r.store.commands_total, "samples": out}
+    return {"replica": r.replica_id, "redis_commands_total": r.redis_commands_total, "samples": out}
 
 
 @router.post("/stats/reset")

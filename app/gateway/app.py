@@ -15,6 +15,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from redis.exceptions import RedisError
 
 from app import metrics as M
+from app.api.arrival import StampArrival
 from app.api.openapi import build_openapi
 from app.api.routes import router as api_router
 from app.cluster.registry import WorkerSpec
@@ -97,7 +98,8 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     app.add_middleware(ConcurrencyCap, limit=settings.max_concurrent_requests)
     app.add_middleware(TenantGate, tenants=tenants)
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(_BoundedMethod)  # outermost: the HTTP metrics see the bounded method
+    app.add_middleware(_BoundedMethod)  # the HTTP metrics see the bounded method
+    app.add_middleware(StampArrival)  # outermost: the origin's clock starts before the body is read
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

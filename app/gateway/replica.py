@@ -153,6 +153,7 @@ class Replica:
             self.membership.live_members,
             lambda: self.views.workers,
             forget_after_s=settings.reconcile_forget_s,
+            cancel_on=lambda wid, rid: self.views.client(wid).cancel(rid, timeout=2.0),
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(
@@ -449,11 +450,16 @@ class Replica:
                     log.error("redis unreachable: %s", exc)
                 self.redis_ok, self.redis_reason = False, str(exc) or type(exc).__name__
                 M.REDIS_UP.set(0)
-            delta = self.store.commands_total - self._commands_exported
+            delta = self.redis_commands_total - self._commands_exported
             if delta > 0:
                 M.REDIS_COMMANDS.inc(delta)
                 self._commands_exported += delta
             await asyncio.sleep(0.5)
+
+    @property
+    def redis_commands_total(self) -> int:
+        """Every command this replica issued: the store's and the reply inbox's blocking reads."""
+        return self.store.commands_total + self.replies.commands_total
 
     async def _rebuild(self, new_epoch: str) -> None:
         """Redis lost everything: put back what this replica knows (registry) and make owners

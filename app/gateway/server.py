@@ -25,7 +25,9 @@ from types import FrameType
 
 import uvicorn
 
+from app.gateway.procs import ServingProcs
 from app.gateway.replica import Replica
+from app.logging_setup import flush_logs
 
 log = logging.getLogger("flexlb.gateway")
 
@@ -35,9 +37,16 @@ SHUTDOWN_GRACE_S = 10.0
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, replica: Replica, drain_timeout_s: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        replica: Replica,
+        drain_timeout_s: float,
+        procs: ServingProcs | None = None,
+    ) -> None:
         super().__init__(config)
         self.replica = replica
+        self.procs = procs  # --procs: the other serving processes drain on the same signal
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
@@ -54,6 +63,8 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)  # not serving yet: uvicorn's own exit
             return
         self._drain_requested = True
+        if self.procs is not None:
+            self.procs.signal(sig)
         deadline = self.drain_timeout_s + SHUTDOWN_GRACE_S
         timer = threading.Timer(deadline, _exit_now, args=(f"shutdown not done after {deadline:.0f} s",))
         timer.daemon = True
@@ -76,6 +87,7 @@ class DrainingServer(uvicorn.Server):
 def _exit_now(why: str) -> None:
     """Leave without running anything else: no lifespan, no atexit hook can hang us here."""
     log.warning("%s", why, extra={"event": "forced_exit"})
+    flush_logs()
     for h in logging.getLogger().handlers:
         h.flush()
     os._exit(1)

@@ -36,6 +36,9 @@ class ReplyRouter:
         self._waiting: dict[str, asyncio.Future[dict[str, str]]] = {}
         self._early: dict[str, dict[str, str]] = {}  # arrived before anyone waited (bounded)
         self._task: asyncio.Task[None] | None = None
+        #: Commands this inbox issued (its XREADs and XTRIMs): part of each request's Redis cost,
+        #: added to the store's count in `flexlb_redis_commands_total` and `GET /admin/stats`.
+        self.commands_total = 0
 
     def expect(self, request_id: str) -> asyncio.Future[dict[str, str]]:
         fut: asyncio.Future[dict[str, str]] = asyncio.get_running_loop().create_future()
@@ -86,12 +89,14 @@ class ReplyRouter:
                         self._early.pop(next(iter(self._early)))
 
     async def _trim(self, upto: str) -> None:
+        self.commands_total += 1
         try:
             await self.redis.xtrim(self.key, minid=upto)
         except RedisError as exc:  # the next trim catches up
             log.debug("reply stream trim failed: %s", exc)
 
     async def _read(self, last: str) -> list[tuple[Any, dict[Any, Any]]]:
+        self.commands_total += 1
         if self._lean is not None:
             reply = await self._lean.call("XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", self.key, last)
             return stream_entries(reply)

@@ -10,6 +10,7 @@ from typing import Any
 
 from app import metrics as M
 from app.gateway.errors import ApiError
+from app.logging_setup import lifecycle_sampled
 from app.request.context import RequestContext
 from app.request.types import GenRequest, Progress
 
@@ -63,7 +64,11 @@ class Endings(RequestContext):
         await self.terminal.run_or_queue(f"finish {rid}", lambda: self._round_trip(cmds))
         p.stage = "done"
         self._log(
-            state, req, p, code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else ""
+            state,
+            req,
+            p,
+            code=str(outcome.get("error", {}).get("code", "")) if state != "completed" else "",
+            timings=outcome.get("timings"),
         )
 
     def _observe(self, req: GenRequest, p: Progress, code: str) -> None:
@@ -117,8 +122,12 @@ class Endings(RequestContext):
             await self._cancel_on(p.prefill_worker, rid)
         await self._finish(req, p, state, self._outcome(req, p, state, err))
 
-    def _log(self, event: str, req: GenRequest, p: Progress, code: str = "") -> None:
-        """One JSON line per lifecycle transition (DESIGN §9), with the ids an operator greps."""
+    def _log(self, event: str, req: GenRequest, p: Progress, code: str = "", timings: Any = None) -> None:
+        """One JSON line per lifecycle transition (DESIGN §9), with the ids an operator greps.
+        Intermediate transitions only for the sampled share of requests (app/logging_setup.py);
+        the terminal line, which carries `timings`, always."""
+        if timings is None and not lifecycle_sampled(req.request_id):
+            return
         extra: dict[str, Any] = {
             "event": event,
             "request_id": req.request_id,
@@ -129,6 +138,8 @@ class Endings(RequestContext):
         }
         if code:
             extra["code"] = code
+        if timings is not None:
+            extra["timings"] = timings
         if req.user:
             extra["user"] = req.user
         log.info("request %s %s", req.request_id, event, extra=extra)

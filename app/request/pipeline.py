@@ -67,7 +67,7 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
             )
         if not self.accepting():
             raise ApiError("draining", "this replica is shutting down; retry on another", retry_after_s=1)
-        p = Progress(t0=time.perf_counter())
+        p = Progress(t0=req.t_arrival or time.perf_counter())
         rid = req.request_id
         task = asyncio.current_task()
         if task is not None:

@@ -51,6 +51,8 @@ class GenRequest:
     # and on in the KV to decode. The simulated engines ignore them; a real one samples by them.
     sampling: dict[str, float | int] | None = None
     priority: int = 1  # level of its x-flexlb-priority class (app/dispatch/items.py); `pr` if not 1
+    # perf_counter() when its HTTP request arrived (app/api/arrival.py); 0 = when the pipeline starts
+    t_arrival: float = 0.0
     # The tenant's limit check (app/security/tenants.LimitCheck) when it has limits: the first
     # round trip that records the request runs through it, so a refused request writes nothing.
     limit: LimitCheck | None = None

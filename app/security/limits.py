@@ -175,7 +175,8 @@ class ConcurrencyCap:
             await self.app(scope, receive, send)
             return
         state = scope.setdefault("state", {})
-        asked = _header(scope, b"x-flexlb-priority") or "default"
+        header = _header(scope, b"x-flexlb-priority")
+        asked = "default" if header is None else header  # present but empty is a bad value
         if asked not in CAP_SHARE:
             msg = f"x-flexlb-priority: must be one of {', '.join(PRIORITIES)}"
             await _send_error(send, 400, "invalid_request", "invalid_request_error", msg)
