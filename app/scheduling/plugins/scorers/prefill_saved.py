@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.formula import Formula
-from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
+from app.scheduling.plugins.registry import Candidates, register
+from app.scheduling.plugins.scorers import FormulaScorer
 
 
 @register("scorer", "prefill_saved_ms", roles=("prefill",))
-class PrefillSaved(Plugin):
+class PrefillSaved(FormulaScorer):
     """predict_ms(L, 0) − predict_ms(L, h_w): what the cached prefix saves on this prompt, higher is
     better (0 on a worker without a hit).
 
@@ -20,14 +20,7 @@ class PrefillSaved(Plugin):
     Formula-relative (ms saved, not tokens), so one weight fits any engine profile."""
 
     sense = "max"
-    __slots__ = ("formula",)
-
-    def __init__(self, ctx: BuildContext) -> None:
-        if not isinstance(ctx.formula, Formula):
-            raise TypeError(
-                f"scorer {self.name!r} needs a compiled Formula, not {type(ctx.formula).__name__}"
-            )
-        self.formula = ctx.formula
+    __slots__ = ()
 
     def score(self, q: Any, c: Candidates) -> list[float]:
         predict = self.formula.predict_one
