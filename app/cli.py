@@ -49,6 +49,9 @@ def worker(
     time_scale: Annotated[float, typer.Option(help="multiplies every modelled duration")] = 1.0,
     block_size: Annotated[int, typer.Option(help="KV block size in tokens")] = 64,
     kv_capacity_tokens: Annotated[int | None, typer.Option(help="override the profile's KV capacity")] = None,
+    decode_admission: Annotated[
+        str, typer.Option(help="decode KV: reserve (prompt + max_new_tokens) or expected (on use; preempts)")
+    ] = "reserve",
     seed: Annotated[int, typer.Option(help="output token seed")] = 0,
     chunk_interval_ms: Annotated[
         float, typer.Option(help="decode chunk coalescing interval (wall ms)")
@@ -87,6 +90,8 @@ def worker(
         raise typer.BadParameter("--device cpu|cuda, --dtype float32|bfloat16", param_hint="--device/--dtype")
     if role not in ("prefill", "decode"):
         raise typer.BadParameter("prefill or decode", param_hint="--role")
+    if decode_admission not in ("reserve", "expected"):
+        raise typer.BadParameter("reserve or expected", param_hint="--decode-admission")
     faulty = fault_error_rate or fault_extra_latency_ms or fault_hang or fault_exit_after_batches
     if faulty and not allow_faults:
         raise typer.BadParameter("fault options need --allow-faults", param_hint="--fault-*")
@@ -104,6 +109,7 @@ def worker(
         time_scale=time_scale,
         block_size=block_size,
         kv_capacity_tokens=kv_capacity_tokens,
+        decode_admission=decode_admission,
         seed=seed,
         chunk_interval_ms=chunk_interval_ms,
         kv_handle_ttl_ms=kv_handle_ttl_ms,

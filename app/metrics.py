@@ -4,6 +4,7 @@ set is known, per-worker series removed with their worker."""
 from __future__ import annotations
 
 import contextlib
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -116,12 +117,21 @@ for _ep in ("completions", "chat", "generate"):
         REQUESTS.labels(_ep, _code)
 
 
+class _Floats(array):
+    """array('d') with list's `clear()`: 8 bytes a sample, where a list of floats takes 32."""
+
+    def clear(self) -> None:
+        del self[:]
+
+
 class SampleRing:
-    """Last N samples of a latency, for exact percentiles in benchmarks (histograms bucket them)."""
+    """Last N samples of a latency, for exact percentiles in benchmarks (histograms bucket them).
+    Packed doubles: as a list of float objects the two rings filled to 1.3 MB over the first
+    ~20 minutes of a gateway's life (issue 14 soak); packed, they stop at 320 KB."""
 
     def __init__(self, n: int = 20_000) -> None:
         self.n = n
-        self.values: list[float] = []
+        self.values: _Floats = _Floats("d")
 
     def add(self, v: float) -> None:
         self.values.append(v)

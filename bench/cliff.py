@@ -4,7 +4,7 @@ For each workload (the shipped traces and a synthetic one), load, replica count 
 `flexlb simulate` run (the real routing, batching, admission and engine code on a virtual clock);
 prints one markdown table per workload and writes every figure to --output (JSON).
 
-    nice -n 10 .venv/bin/python bench/cliff.py --output bench_out/cliff
+    nice -n 10 .venv/bin/python bench/cliff.py --max-requests 2000 --output bench_out/cliff
 
 Goodput % = requests whose TTFT met the SLO / all requests (a rejection counts as a miss).
 Capacity = the highest load of the sweep at which goodput ≥ 90 %.
@@ -15,6 +15,7 @@ Rejections by reason: what the origin refused before any engine saw the request.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -35,6 +36,7 @@ LOADS = (0.5, 0.7, 1.0, 1.2, 1.5, 2.0)
 POLICIES = (
     "cost",  # the default: cost routing, window batching, SLO admission
     "cost@direct",
+    "cost+fresh",  # the default with Policy.second_look on fresh load (simulator only for now)
     "prefix",
     "least_load",
     "round_robin",
@@ -84,11 +86,25 @@ def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
 
 
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
+    """``NAME[@BATCHING][+fresh]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick` (its
+    `Policy.second_look` on fresh shared load; not in the live gateway yet)."""
     out = []
     for n in names:
-        strategy, _, batching = n.partition("@")
+        base = n.removesuffix("+fresh")
+        strategy, _, batching = base.partition("@")
         out.append(PolicySpec(n, strategy, batching or "window"))
     return out
+
+
+def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
+    """Each spec's summary; the ``+fresh`` ones in a run of their own with fresh_pick on."""
+    out: dict[str, dict[str, Any]] = {}
+    for fresh in (False, True):
+        group = [p for p in todo if p.name.endswith("+fresh") == fresh]
+        if group:
+            cfg_g = replace(cfg, fresh_pick=True) if fresh else cfg
+            out.update(run_simulation(tr, cfg_g, group).policies)
+    return {p.name: out[p.name] for p in todo}
 
 
 def row(m: dict[str, Any]) -> dict[str, Any]:
@@ -127,6 +143,21 @@ def capacity(by_load: dict[float, dict[str, Any]]) -> float:
     """Highest load with goodput ≥ 90 % (0 when none)."""
     ok = [ld for ld, r in by_load.items() if r["goodput_pct"] >= 90.0]
     return max(ok) if ok else 0.0
+
+
+def crossing(by_load: dict[float, dict[str, Any]]) -> str:
+    """The load where goodput first falls below 90 %, interpolated linearly between the two grid
+    loads around it: finer than the grid's step, which puts most policies at the same grid load.
+    ``>top`` when it never falls below 90 % on the grid, ``<low`` when it starts below."""
+    pts = sorted((ld, r["goodput_pct"]) for ld, r in by_load.items())
+    if not pts:
+        return ""
+    if pts[0][1] < 90.0:
+        return f"<{pts[0][0]:g}"
+    for (l0, g0), (l1, g1) in itertools.pairwise(pts):
+        if g1 < 90.0:
+            return f"{l0 + (l1 - l0) * (g0 - 90.0) / (g0 - g1):.2f}"
+    return f">{pts[-1][0]:g}"
 
 
 def fmt_ms(v: float | None) -> str:
@@ -172,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                     todo = pols if seed == 0 else [p for p in pols if p.name in args.repeat.split(",")]
                     if not todo:
                         continue
-                    run = run_simulation(tr, replace(cfg, seed=seed), todo)
-                    for pname, m in run.policies.items():
+                    for pname, m in run_specs(tr, replace(cfg, seed=seed), todo).items():
                         rows.setdefault(pname, []).append(row(m))
                 for pname, rs in rows.items():
                     out = results.setdefault(tname, {}).setdefault(str(nrep), {}).setdefault(pname, {})
@@ -198,9 +228,9 @@ def render(results: dict[str, Any]) -> str:
             lines.append(
                 "| policy | "
                 + " | ".join(f"{ld:g}" for ld in loads)
-                + " | capacity | hit/bound @1.0 | rejected @1.5 |"
+                + " | capacity | 90 % crossing | hit/bound @1.0 | rejected @1.5 |"
             )
-            lines.append("|---|" + "---:|" * (len(loads) + 3))
+            lines.append("|---|" + "---:|" * (len(loads) + 4))
             for pname, by_load in by_pol.items():
                 cells = []
                 fl = {float(k): v for k, v in by_load.items()}
@@ -217,7 +247,8 @@ def render(results: dict[str, Any]) -> str:
                 rej = fl.get(1.5)
                 rj = ", ".join(f"{k} {v}" for k, v in (rej or {}).get("rejections", {}).items()) or "0"
                 label = "**default** (cost, window)" if pname == "cost" else pname
-                lines.append(f"| {label} | " + " | ".join(cells) + f" | {capacity(fl):g} | {hb} | {rj} |")
+                tail = f" | {capacity(fl):g} | {crossing(fl)} | {hb} | {rj} |"
+                lines.append(f"| {label} | " + " | ".join(cells) + tail)
     return "\n".join(lines) + "\n"
 
 

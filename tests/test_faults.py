@@ -36,13 +36,17 @@ from .gateways import Gateway, free_port, start_gateway, wait_for
 GW_ENV = {"FLEXLB_RECONCILE_INTERVAL_MS": "500", "FLEXLB_RECONCILE_FORGET_S": "8"}
 
 
-def report(results) -> None:  # type: ignore[no-untyped-def]
-    """One line of the fault-suite table (case, sent, ok, typed, hung, lost; shown with -s)."""
+def report(results, t_fault: float) -> None:  # type: ignore[no-untyped-def]
+    """One line of the fault-suite table (case, sent, ok, typed, hung, lost, recovery s; shown
+    with -s). Recovery: when the last request that did not succeed ended, in s after the fault
+    (0 when every request succeeded); every request after it succeeded."""
     import inspect
 
     case = inspect.stack()[1].function.split("_")[1]
     codes = Counter(x.code for x in results if x.kind == "typed")
-    print(f"\n[chaos] {case}: {summary(results)} typed codes {dict(codes)}")
+    bad = [x.t1 or x.t0 for x in results if x.kind != "ok"]
+    recovery = max(0.0, max(bad) - t_fault) if bad else 0.0
+    print(f"\n[chaos] {case}: {summary(results)} recovery_s {recovery:.1f} typed codes {dict(codes)}")
 
 
 def wait_ready(g: Gateway, timeout: float) -> None:
@@ -96,11 +100,26 @@ def slow_prefill(pool, formula: str = "40") -> None:  # type: ignore[no-untyped-
 
 
 def finish(r: redis.Redis, keys: Keys, prefill: list[str], urls: list[str]) -> dict[str, int]:
-    assert_clean(r, keys, prefill, 6.0)
+    try:
+        assert_clean(r, keys, prefill, 6.0)
+    except AssertionError as exc:  # say who holds what is left: the first thing to know
+        raise AssertionError(f"{exc}; {queue_holders(r, keys, prefill)}") from None
     fresh = fresh_batch(urls)
     assert summary(fresh) == {"sent": 20, "ok": 20, "typed": 0, "hung": 0, "lost": 0}, fresh
     assert_clean(r, keys, prefill, 6.0)
     return summary(fresh)
+
+
+def queue_holders(r: redis.Redis, keys: Keys, prefill: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for w in prefill:
+        try:
+            pend = r.xpending_range(keys.queue(w), "owner", "-", "+", 5)
+        except redis.ResponseError:  # no stream or group
+            continue
+        if pend:
+            out[w] = {"lease": r.get(keys.owner_lease(w)), "pending": pend}
+    return out
 
 
 # ---- case 1 -------------------------------------------------------------------------------------
@@ -120,9 +139,10 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
         time.sleep(2)
         alive.remove(b.url)
         b.kill()
+        t_fault = time.monotonic()
         time.sleep(5)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         on_a = [x for x in results if x.gw == a.url]
         on_b = [x for x in results if x.gw == b.url]
         bad = [x for x in on_a if x.kind != "ok"]
@@ -166,9 +186,10 @@ def test_case3_sigkill_of_a_prefill_worker_mid_batch_retries_or_types_every_requ
 
         wait_for(busy, 10, what="a batch running on the doomed worker")
         own.kill_hard()
+        t_fault = time.monotonic()
         time.sleep(4)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -203,9 +224,10 @@ def test_case4_sigkill_of_a_decode_worker_mid_stream_ends_streams_typed(
 
         wait_for(streaming, 10, what="streams running on the doomed decode worker")
         own.kill_hard()
+        t_fault = time.monotonic()
         time.sleep(3)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -233,10 +255,11 @@ def test_case7_one_percent_of_redis_traffic_reset_no_loop_dies_nothing_leaks(
         slow_prefill(pool, "20")
         load = Load(lambda: [a.url, b.url]).start()
         proxy.flaky(0.01)
+        t_fault = time.monotonic()
         time.sleep(6)
         proxy.flaky(0.0)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert proxy.resets > 0, "no fault was injected"
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
@@ -313,12 +336,13 @@ def test_case5_redis_sigkill_and_restart_from_aof_ends_everything_and_recovers(
         load = Load(lambda: [a.url, b.url]).start()
         time.sleep(2)
         own.kill()
+        t_fault = time.monotonic()
         time.sleep(0.5)
         own.start()
         t_back = time.monotonic()
         time.sleep(6)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         typed = [x for x in results if x.kind == "typed"]
@@ -354,6 +378,7 @@ def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, 
         load = Load(lambda: [a.url, b.url]).start()
         time.sleep(2)
         own.kill()
+        t_fault = time.monotonic()
         for f in own.dir.rglob("*"):  # everything it had is gone
             if f.is_file():
                 f.unlink()
@@ -361,7 +386,7 @@ def test_case5b_redis_back_empty_is_rebuilt_and_no_request_hangs(workers_reset, 
         t_back = time.monotonic()
         time.sleep(7)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         late = [x for x in results if x.t0 > t_back + 5]
@@ -395,12 +420,13 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
         time.sleep(2)
         targets.remove(b.url)
         os.kill(b.proc.pid, signal.SIGSTOP)
+        t_fault = time.monotonic()
         time.sleep(4.5)  # longer than membership and lease TTLs (3 s): A takes over and reaps B
         os.kill(b.proc.pid, signal.SIGCONT)
         targets.append(b.url)
         time.sleep(2.5)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         s = summary(results)
         assert s["hung"] == 0 and s["lost"] == 0, (s, [x for x in results if x.kind in ("hung", "lost")][:5])
         on_a = [x for x in results if x.gw == a.url]
@@ -446,12 +472,12 @@ def test_case6_sentinel_failover_under_load_within_5_s_then_nothing_leaks(worker
         time.sleep(2)
         old = ha.master_port()
         ha.kill_master()
-        t_kill = time.monotonic()
+        t_kill = t_fault = time.monotonic()
         wait_for(lambda: ha.master_port() not in (None, old), 8, interval=0.1, what="sentinels fail over")
         failover_s = time.monotonic() - t_kill
         time.sleep(6)
         results = load.stop()
-        report(results)
+        report(results, t_fault)
         print(f"[chaos] case6 failover {failover_s:.1f} s")
         assert failover_s <= 5.0, failover_s
         s = summary(results)

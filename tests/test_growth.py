@@ -60,3 +60,44 @@ def test_owner_forgets_finished_batch_ids_after_the_audit_horizon(monkeypatch: p
     asyncio.run(run())
     assert 590 <= len(d._finished_seen) <= 610, len(d._finished_seen)
     assert "b5999" in d._finished_seen and "b0" not in d._finished_seen
+
+
+def test_prefix_cache_diff_log_stops_at_a_few_times_the_cache_not_at_100k_entries() -> None:
+    """A full prefix cache evicts a block for every block it adds, and each is a diff-log entry:
+    the log must stop at a small multiple of the cache's block capacity (a diff longer than that is
+    answered with a full snapshot anyway), not fill towards 100,000 entries for most of an hour.
+    Pollers that keep up still get exact diffs; one that fell behind the log gets a snapshot."""
+    from workers.engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(capacity_tokens=40_000, block_size=64)  # 625 blocks: the soak's workers
+    seen = cache.version
+    for k in range(50_000):  # unique blocks: after 625 each insert evicts one
+        cache.insert([k], pin=False, budget_tokens=40_000)
+        if k % 100 == 0:  # a poller keeping up
+            d = cache.diff_since(seen)
+            assert not d.full
+            seen = d.version
+    assert len(cache) == 625
+    assert len(cache._log) <= max(1024, 2 * 625), len(cache._log)
+    behind = cache.diff_since(1)  # fell behind the log: the whole key set
+    assert behind.full and sorted(behind.added) == sorted(cache.keys())
+
+
+def test_latency_sample_rings_stay_small_when_full() -> None:
+    """The two benchmark sample rings keep their last 20,000 latencies each: full, they must hold
+    them packed (a list of float objects took 4x as much and filled for ~20 minutes of soak)."""
+    from app.metrics import SampleRing
+
+    ring = SampleRing()
+    rng = random.Random(3)
+    tracemalloc.start()
+    try:
+        for _ in range(25_000):
+            ring.add(rng.random())
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(ring.values) == 20_000 and list(ring.values)[-1] < 1.0
+    assert used < 260_000, used  # 20,000 doubles = 160 KB (+ the array's slack)
+    ring.values.clear()  # what POST /admin/stats/reset does
+    assert len(ring.values) == 0

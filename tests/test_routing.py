@@ -78,22 +78,24 @@ def picks(strategy: object, q: object, workers: Sequence[WorkerView], seed: int,
 
 
 def test_cost_prefers_the_cache_holder_while_it_finishes_sooner() -> None:
-    # L = 2000, A holds 6 blocks = 1536 tokens: A's prefill = 10 + 0.1*464 = 56.4 ms, cold = 210 ms.
-    # A owes 100 ms: cost(A) = 156.4, cost(B) = 210; the gap 53.6 exceeds max(10% of 156.4, 20) = 20.
+    # L = 2000, A holds 6 blocks = 1536 tokens: A's prefill = 10 + 0.1*464 = 56.4 ms, cold = 210 ms,
+    # so the prefix saves 153.6 ms, counted CACHE_VALUE = 2 more times for the follow-ups.
+    # A owes 100 ms: cost(A) = 156.4 - 307.2, cost(B) = 210.
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=100.0), pw("B")]
     choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "A"
     assert choice.hit_tokens == 1536
     assert choice.predicted_ms == pytest.approx(56.4)
-    assert choice.score == pytest.approx(156.4)
+    assert choice.score == pytest.approx(156.4 - 2 * 153.6)
     assert choice.reason == "cost"
 
 
 def test_cost_leaves_a_busy_cache_holder_for_a_worker_that_finishes_sooner() -> None:
-    # A owes 200 ms and has 100 ms queued: cost(A) = 56.4 + 300 = 356.4 > cost(B) = 210 + 21 (10%).
+    # A owes 400 ms and has 150 ms queued: cost(A) = 56.4 + 550 - 307.2 = 299.2 > cost(B) = 210 + 21
+    # (10%): the prefix's value for the follow-ups no longer outweighs the backlog.
     q = pq(2000, {"A": 6})
-    workers = [pw("A", owed_ms=200.0, queued_ms=100.0), pw("B")]
+    workers = [pw("A", owed_ms=400.0, queued_ms=150.0), pw("B")]
     choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "B"
     assert choice.hit_tokens == 0
@@ -102,10 +104,10 @@ def test_cost_leaves_a_busy_cache_holder_for_a_worker_that_finishes_sooner() -> 
 
 
 def test_cost_near_tie_between_holder_and_idle_worker() -> None:
-    # A owes 170 ms: cost(A) = 226.4, cost(B) = 210, within max(21, 20) = 21 -> both are candidates,
-    # and within the band the cache holder keeps the prompt (cache affinity).
+    # A owes 470 ms: cost(A) = 56.4 + 470 - 307.2 = 219.2, cost(B) = 210, within max(21, 20) = 21 ->
+    # both are candidates, and within the band the cache holder keeps the prompt (cache affinity).
     q = pq(2000, {"A": 6})
-    workers = [pw("A", owed_ms=170.0), pw("B")]
+    workers = [pw("A", owed_ms=470.0), pw("B")]
     assert set(picks(cost_policy(LINEAR), q, workers, seed=1, n=200)) == {"A"}
     # With ties switched off the strict minimum wins every time.
     strict = cost_policy(LINEAR, tie_pct=0.0, tie_abs=0.0)
@@ -562,19 +564,21 @@ def test_top_candidates_on_a_large_fleet() -> None:
 
 
 def test_a_declared_policy_composes_plugins_with_weights() -> None:
-    # Cost plus a cache bonus of 0.05 ms per cached token: A's 1536 cached tokens are worth 76.8 ms,
-    # more than its 6.4 ms extra cost (A: 56.4 + 160 = 216.4, B: cold 210), so A wins only with it.
+    # Finish time plus a cache bonus of 0.05 ms per cached token: A's 1536 cached tokens are worth
+    # 76.8 ms, more than its 6.4 ms extra cost (A: 56.4 + 160 = 216.4, B: cold 210), so A wins only
+    # with it.
     book = PolicyBook(
         {
+            "greedy": {"role": "prefill", "scorers": {"predicted_finish_ms": 1.0}},
             "sticky": {
                 "role": "prefill",
                 "scorers": [{"name": "predicted_finish_ms"}, {"name": "cache_hit_tokens", "weight": 0.05}],
-            }
+            },
         }
     )
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=160.0), pw("B")]
-    plain = book.build("prefill", "cost", LINEAR, tie_pct=0.0, tie_abs=0.0).choose(q, workers, rng())
+    plain = book.build("prefill", "greedy", LINEAR).choose(q, workers, rng())
     sticky = book.build("prefill", "sticky", LINEAR).choose(q, workers, rng())
     assert (plain.worker_id, sticky.worker_id) == ("B", "A")
     assert sticky.score == pytest.approx(216.4 - 0.05 * 1536)
@@ -628,5 +632,40 @@ def test_the_simulator_runs_declared_policies_with_their_batching() -> None:
         ("direct_cost@slo", "direct_cost", "slo"),
         ("cost", "cost", "fixed_window"),
     ]
-    with pytest.raises(ValueError, match=r"known: cost, least_load, prefix, random, round_robin$"):
+    known = "cost, dynamo_kv, least_load, llmd_precise, prefix, random, round_robin, sglang_cache_aware"
+    with pytest.raises(ValueError, match=rf"known: {known}, vllm_cache_aware$"):
         parse_policies("direct_cost", "fixed_window")
+
+
+def test_second_look_reranks_the_pick_and_runner_up_on_fresh_load() -> None:
+    # Two replicas' snapshot says A and B are idle; in fact another replica just queued 500 ms on
+    # A. The stale pick is A or B at random; the second look moves a stale A pick to B, and never
+    # moves a request off B.
+    q = pq(2000)
+    stale = [pw("A"), pw("B"), pw("C", owed_ms=900.0)]
+    live = {"A": (500.0, 0.0), "B": (0.0, 0.0), "C": (0.0, 900.0)}
+    pol = cost_policy(LINEAR)
+    r = rng(3)
+    firsts, finals = set(), set()
+    for _ in range(40):
+        first = pol.choose(q, stale, r)
+        firsts.add(first.worker_id)
+        finals.add(pol.second_look(q, stale, first, live.__getitem__, r).worker_id)
+    assert firsts == {"A", "B"}
+    assert finals == {"B"}
+
+
+def test_second_look_ranks_by_the_policy_so_a_cache_holder_keeps_its_prompt() -> None:
+    # Fresh load says the holder A owes 200 ms more than B: finish time alone would move the prompt
+    # (56.4 + 200 > 210 + 21), but the policy's own ranking counts the prefix for its follow-ups
+    # (56.4 + 200 - 307.2 < 210), so the second look keeps it where `choose` put it.
+    q = pq(2000, {"A": 6})
+    views = [pw("A"), pw("B")]
+    live = {"A": (0.0, 200.0), "B": (0.0, 0.0)}
+    pol = cost_policy(LINEAR)
+    first = pol.choose(q, views, rng())
+    assert first.worker_id == "A"
+    assert pol.second_look(q, views, first, live.__getitem__, rng()).worker_id == "A"
+    # A backlog beyond what the prefix is worth moves it.
+    far = {"A": (0.0, 600.0), "B": (0.0, 0.0)}
+    assert pol.second_look(q, views, first, far.__getitem__, rng()).worker_id == "B"

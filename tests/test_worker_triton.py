@@ -542,3 +542,54 @@ def _owner_of(root: Path) -> int | None:
         return int((root / "owner.pid").read_text())
     except (OSError, ValueError):
         return None
+
+
+async def test_decode_admission_expected_runs_what_reserve_queues_and_preempts_on_growth(clients) -> None:
+    """Two 400-token prompts with 300 new tokens each on a 1,000-token KV: `reserve` (prompt +
+    max_new_tokens held) runs them one after the other; `expected` (admission on use) runs them
+    together and, when their growth fills the KV, preempts one, which recomputes and still
+    delivers every token. Switched live through `configure`, refused while a sequence runs."""
+    d = clients["decode"][0]
+
+    async def pair(mode: str) -> tuple[list[DecodeEvent], list[DecodeEvent]]:
+        conf = await d.configure(
+            profile="formula", formula="1", kv_capacity_tokens=1000, decode_admission=mode
+        )
+        assert conf.get("ok"), conf
+        epoch = (await d.status())["epoch"]
+        a, b = f"ad-{mode}-a-" + uid(), f"ad-{mode}-b-" + uid()
+        first = asyncio.create_task(collect_decode(d, a, epoch, 400, 300))
+        await asyncio.sleep(0.05)  # a arrives first (its modelled times say so either way)
+        second = asyncio.create_task(collect_decode(d, b, epoch, 400, 300))
+        return await first, await second
+
+    try:
+        for mode in ("reserve", "expected"):
+            ea, eb = await pair(mode)
+            for evs in (ea, eb):
+                assert evs[-1].event == "finish" and evs[-1].finish_reason == "length", (mode, evs[-1])
+                assert sum(len(e.tokens) for e in evs if e.event == "tokens") == 300
+            a_done = ea[-1].t_last_ms
+            b_first = next(e.t_first_ms for e in eb if e.event == "tokens")
+            if mode == "reserve":
+                assert b_first >= a_done, "reserve mode admitted b before a freed its KV"
+            else:
+                assert b_first < a_done, "expected mode did not run the two together"
+        # a switch while a sequence is in flight is refused and changes nothing
+        epoch = (await d.status())["epoch"]
+        rid = "ad-busy-" + uid()
+        busy = asyncio.create_task(collect_decode(d, rid, epoch, 100, 850))  # ~7 s of steps
+        for _ in range(500):
+            if (await d.status())["running"]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the long decode never ran")
+        refused = await d.configure(decode_admission="reserve")
+        assert not refused.get("ok") and "idle" in json.dumps(refused), refused
+        assert (await d.cancel(rid))["result"] == "cancelled"
+        await asyncio.wait_for(busy, 10)
+        bad = await d.configure(decode_admission="sometimes")
+        assert not bad.get("ok"), bad
+    finally:
+        await d.reset()

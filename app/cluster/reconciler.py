@@ -11,6 +11,12 @@ What it repairs, and why each repair is safe while requests run:
   a terminal or missing record can never be released later by anyone else.
 - `record_owner_lost`: a non-terminal record whose origin is not live (its clients' connections died
   with it). The same step releases its hold and tombstones its prefill so a queued one never runs.
+- `engine_cancelled`: the same request's prefill and decode still running on the engines (nobody
+  will read their output) are cancelled there through the worker control `cancel`, so they stop
+  taking batch slots and KV — once the origin has stayed dead `cancel_after_s` (and the record is
+  still `owner_lost`): a replica that was only stalled past its membership TTL and wakes within
+  that time still completes what its clients are waiting for. A failed cancel is logged: the
+  engine still ends the work at its max_new_tokens or deadline.
   A stalled origin that wakes and completes the request overwrites `owner_lost` with `completed`
   (app/state/scripts.py TRANSITION), so a client's answer is never recorded as lost.
 - `queued_tombstoned`: queued prefill work of a dead origin (the owner's commit drops it).
@@ -35,6 +41,7 @@ import redis.asyncio as aioredis
 
 from app import metrics as M
 from app.cluster.membership import LuaScript
+from app.rpc.worker_client import WorkerUnavailable
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 from app.state.store import TERMINAL, StateStore
@@ -84,6 +91,8 @@ class Reconciler:
         workers: Callable[[], dict[str, dict[str, str]]],
         *,
         forget_after_s: float = 60.0,
+        cancel_on: Callable[[str, str], Awaitable[Any]] | None = None,
+        cancel_after_s: float = 10.0,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -95,6 +104,13 @@ class Reconciler:
         # answer one of its dispatched requests, re-creating its reply stream, which we delete again.
         self.forget_after_s = forget_after_s
         self._dead_since: dict[str, float] = {}
+        # (worker id, request id) → the worker's control `cancel`; None: nothing is cancelled on
+        # the engines (the simulator, unit tests without workers).
+        self.cancel_on = cancel_on
+        self.cancel_after_s = cancel_after_s
+        # dead origin → (worker id, request id) of its requests we ended `owner_lost` whose engine
+        # work is cancelled once the origin has been dead `cancel_after_s` (dropped if it returns).
+        self._engine_work: dict[str, list[tuple[str, str]]] = {}
 
     def _count(self, counts: dict[str, int], kind: str, n: int = 1) -> None:
         if n:
@@ -122,6 +138,7 @@ class Reconciler:
             await self.end_origin(dead, counts, prefill, final=final)
         for rid in [r for r in self._dead_since if r not in seen or r in live]:
             del self._dead_since[rid]
+        await self._cancel_dead_engine_work(live, now, counts)
         for wid in decode:
             await self._holds(wid, live, counts)
         if counts:
@@ -153,6 +170,10 @@ class Reconciler:
                 if await self.store.transition(rid, "owner_lost", outcome=outcome):
                     ended += 1
                     self._count(counts, "record_owner_lost")
+                    work = [(str(rec[f]), rid) for f in ("prefill_worker", "decode_worker") if rec.get(f)]
+                    if self.cancel_on is not None and work:
+                        self._engine_work.setdefault(dead, []).extend(work)
+                        self._dead_since.setdefault(dead, time.monotonic())
             await self.redis.srem(key, rid)
         if not final:
             # A replica that was only stalled (SIGSTOP, a long pause) comes back to its reply
@@ -212,6 +233,29 @@ class Reconciler:
         if counts:
             log.warning("own sweep corrected %s", json.dumps(counts), extra={"event": "reconciled"})
         return counts
+
+    async def _cancel_dead_engine_work(self, live: set[str], now: float, counts: dict[str, int]) -> None:
+        """Cancel, on the engines, the work of requests ended `owner_lost` whose origin has stayed
+        dead `cancel_after_s`; a record a woken origin completed meanwhile keeps its work."""
+        for origin in list(self._engine_work):
+            if origin in live:  # it came back: its requests may still complete
+                del self._engine_work[origin]
+                continue
+            since = self._dead_since.get(origin)  # None: forgotten, so dead for forget_after_s
+            if since is not None and now - since < self.cancel_after_s:
+                continue
+            work = self._engine_work.pop(origin)
+            for wid, rid in work:
+                state = await self.redis.hget(self.keys.request(rid), "state")
+                if state is None or _s(state) != "owner_lost" or self.cancel_on is None:
+                    continue
+                try:
+                    res = await self.cancel_on(wid, rid)
+                except (WorkerUnavailable, TimeoutError) as exc:
+                    log.warning("cancel of dead origin's %s on %s failed: %s", rid, wid, exc)
+                    continue
+                if isinstance(res, dict) and res.get("result") in ("cancelled", "released"):
+                    self._count(counts, "engine_cancelled")
 
     async def _release(self, rec: dict[str, Any], rid: str, counts: dict[str, int]) -> None:
         dec = rec.get("decode_worker")

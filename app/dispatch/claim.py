@@ -107,8 +107,9 @@ class OwnerClaims:
         claimed = [i for i in claimed if i.entry_id not in self._handling]
         if not claimed:
             return 0
-        for item in claimed:
-            self._handling.add(item.entry_id)
+        # Both reads before any entry is marked ours: a failure here (a pooled connection that
+        # died with a restarted Redis answers "Connection closed by server") must leave the
+        # entries to the next claim, not marked as handled by a task that never got them.
         st = await self.client.status(0, timeout=5.0)
         finished = {r["request_id"]: r for r in st.get("finished", [])}
         live = {rid for b in st.get("live", []) for rid in b.get("request_ids", [])}
@@ -116,32 +117,55 @@ class OwnerClaims:
         log.warning(
             "owner %s: claimed %d pending entries (min idle %d ms)", self.wid, len(claimed), min_idle_ms
         )
-        for item in claimed:
-            rec = finished.get(item.request_id)
-            old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
-            if rec is not None:
-                M.CLAIMED.labels("delivered").inc()
-                await self._reply(
-                    item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
-                )
-            elif item.request_id in live:
-                M.CLAIMED.labels("adopted").inc()
-                t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
-                self._inflight.add(t)
-                t.add_done_callback(self._inflight.discard)
-            else:
-                M.CLAIMED.labels("redispatched").inc()
-                self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
-                for bid in old_batches:  # a late arrival of the old batch must not run it twice
-                    try:
-                        await self.client.cancel(bid)
-                    except (WorkerUnavailable, TimeoutError) as exc:
-                        # The worker's own tombstone is what we wanted; without it the engine's
-                        # `duplicate` answer for the old batch still keeps it from running twice.
-                        log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
-                    await self.store.settle(self.wid, bid, item.request_id)
-                self.admit(item, time.time() * 1000)
+        # Entries not yet handed to a path that answers them (reply, adoption, the batcher).
+        unhanded = {i.entry_id for i in claimed}
+        self._handling |= unhanded
+        try:
+            for item in claimed:
+                await self._take_over(item, st, finished, live, ledger)
+                unhanded.discard(item.entry_id)
+        finally:
+            # A failure part-way (a Redis error settling an old batch): the rest is claimed again
+            # by the next pass (at once while the first claim has not succeeded), not skipped by
+            # every later claim as "handled" — which left entries pending for good (test_faults
+            # case 5b, tests/test_owner_faults.py::test_a_claim_that_fails_part_way_is_taken_up_again).
+            self._handling -= unhanded
         return len(claimed)
+
+    async def _take_over(
+        self,
+        item: QueueItem,
+        st: dict[str, Any],
+        finished: dict[str, Any],
+        live: set[str],
+        ledger: dict[str, dict[str, Any]],
+    ) -> None:
+        """Deliver a claimed entry from the worker's finished record, adopt it if the worker still
+        has it, or — never seen by the worker — tombstone its old batch and dispatch it once."""
+        rec = finished.get(item.request_id)
+        old_batches = [b for b, e in ledger.items() if item.request_id in e.get("members", [])]
+        if rec is not None:
+            M.CLAIMED.labels("delivered").inc()
+            await self._reply(
+                item, rec["batch_id"], {**rec, "epoch": st.get("epoch", ""), "worker": self.wid}
+            )
+        elif item.request_id in live:
+            M.CLAIMED.labels("adopted").inc()
+            t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
+            self._inflight.add(t)
+            t.add_done_callback(self._inflight.discard)
+        else:
+            M.CLAIMED.labels("redispatched").inc()
+            self._redispatched[item.request_id] = old_batches[0] if old_batches else ""
+            for bid in old_batches:  # a late arrival of the old batch must not run it twice
+                try:
+                    await self.client.cancel(bid)
+                except (WorkerUnavailable, TimeoutError) as exc:
+                    # The worker's own tombstone is what we wanted; without it the engine's
+                    # `duplicate` answer for the old batch still keeps it from running twice.
+                    log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
+                await self.store.settle(self.wid, bid, item.request_id)
+            self.admit(item, time.time() * 1000)
 
     async def _adopt(self, item: QueueItem, batch_id: str) -> None:
         """The worker is running it for a dead owner: wait for its finished record, then deliver."""

@@ -153,6 +153,7 @@ class Replica:
             self.membership.live_members,
             lambda: self.views.workers,
             forget_after_s=settings.reconcile_forget_s,
+            cancel_on=lambda wid, rid: self.views.client(wid).cancel(rid, timeout=2.0),
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.pipeline = Pipeline(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -37,13 +37,22 @@ from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.plugins import registry
 from app.scheduling.plugins.registry import BuildContext, Candidates, Filter, Picker, Scorer
-from app.scheduling.routing import DECODE, PREFILL, Choice, DecodeQuery, WorkerView, decode_headroom
+from app.scheduling.routing import (
+    DECODE,
+    PREFILL,
+    Choice,
+    DecodeQuery,
+    NoWorker,
+    WorkerView,
+    decode_headroom,
+)
 
 __all__ = [
     "BATCHING_MODES",
     "DECODE",
     "DEFAULT_DECODE_POLICY",
     "DEFAULT_PREFILL_POLICY",
+    "PEER_IMITATIONS",
     "PREFILL",
     "Policy",
     "PolicyBook",
@@ -166,14 +175,23 @@ def batching_config(batching: str, slo_ttft_ms: float, base: BatcherConfig | Non
 
 
 _NO_PARAMS: Params = {}
+# `cost` counts a cached prefix's saving again this many times on top of the finish time it
+# already shortens: greedy finish-time routing gave prefixes away for a few ms of load, and every
+# follow-up turn then paid the full prefill. Measured (bench/cliff.py workloads, 2,000 requests,
+# 8P+8D, loads 1 and 2, 1 and 4 replicas): routed hit +1.6 to +2.9 points on conversation_trace,
+# +1.8 to +2.4 on trace_30min at load 1 (+0.1 at 2), +0.2 to +0.5 on the synthetic workload;
+# goodput +0.5 to +1.5 points at load 2 with 4 replicas, nowhere lower by more than 0.2 (noise);
+# weights 2 and 3 measured alike, 1 about half the gain.
+CACHE_VALUE = 2.0
 _BUILTIN = (
     PolicyDef(
         "cost",
         PREFILL,
         (("hotspot", _NO_PARAMS),),
-        (("predicted_finish_ms", 1.0, _NO_PARAMS),),
+        (("predicted_finish_ms", 1.0, _NO_PARAMS), ("prefill_saved_ms", CACHE_VALUE, _NO_PARAMS)),
         ("best", {"tie_pct": 0.10, "tie_abs": 20.0, "tie_break": ("cache_hit_tokens",)}),
-        summary="lowest predicted finish time; near-ties to the longest cached prefix, then random",
+        summary="lowest predicted finish time, a cached prefix's saving counted 3x (it serves the"
+        " follow-ups too); near-ties to the longest cached prefix, then random",
     ),
     PolicyDef(
         "least_load",
@@ -216,6 +234,22 @@ _BUILTIN = (
 )
 
 
+# Peer router imitations (plugins/pickers/peer_imitations.py), for the simulator's comparisons
+# (`PolicyBook(peers=True)`, which `SimConfig.policy_book` builds): the hotspot filter only when
+# configured (off by default, as in the routers imitated), and (`Policy.peer`) no SLO admission,
+# as they have none. Not in the live gateway's book: they count their own requests in flight,
+# which only the simulator reports back to them (`Policy.finished`).
+PEER_IMITATIONS = tuple(
+    PolicyDef(n, PREFILL, (("hotspot", _NO_PARAMS),), (), (n, _NO_PARAMS), summary=s)
+    for n, s in (
+        ("sglang_cache_aware", "imitates SGLang router's cache_aware (0.3 / 64 / 1.5)"),
+        ("vllm_cache_aware", "imitates vLLM router's cache_aware (0.5 / 32 / 1.1)"),
+        ("llmd_precise", "imitates llm-d: precise prefix + queue + KV-utilisation scorers 3:2:2"),
+        ("dynamo_kv", "imitates Dynamo's KV router: overlap x prefill blocks + active blocks"),
+    )
+)
+
+
 class Policy:
     """One built policy: runs fit filter → filters → scorers → picker and returns a `Choice`.
 
@@ -230,6 +264,7 @@ class Policy:
         "fit",
         "formula",
         "name",
+        "peer",
         "picker",
         "role",
         "scorers",
@@ -252,6 +287,15 @@ class Policy:
         )
         self.picker: Picker = registry.build("picker", d.picker[0], ctx, d.picker[1])
         self.sign = self.scorers[0][2] if self.scorers else 1.0
+        # A peer router imitation: drivers run it without FlexLB's SLO admission.
+        self.peer = bool(getattr(self.picker, "peer", False))
+
+    def finished(self, worker_id: str, q: Any) -> None:
+        """A prefill this policy routed (query ``q``) has finished on ``worker_id``: pickers that
+        count their own requests in flight (the peer imitations) take it off."""
+        done = getattr(self.picker, "finished", None)
+        if done is not None:
+            done(worker_id, q)
 
     def _utils(self, q: Any, c: Candidates) -> list[float] | None:
         if not self.scorers:
@@ -278,6 +322,38 @@ class Policy:
         hit = c.hits[i]
         predicted = self.formula.predict_one(q.input_tokens, hit) if self.formula is not None else 0.0
         return Choice(wid, hit_tokens=hit, predicted_ms=predicted, score=score, reason=reason)
+
+    def second_look(
+        self,
+        q: Any,
+        workers: Sequence[WorkerView],
+        first: Choice,
+        fresh: Callable[[str], tuple[float, float]],
+        rng: random.Random,
+    ) -> Choice:
+        """Power of two choices on fresh load, for a prefill policy with scorers: this policy's pick
+        ``first`` (made on a snapshot that may be a poll old) and its runner-up over ``workers``
+        are ranked again by this same policy with each one's (queued ms, owed ms) as ``fresh``
+        reads them now (the shared state every replica writes), and the better goes. Replicas that
+        route on the same stale snapshot would otherwise all send their requests to the worker
+        that looked idlest until the next poll (herding). The runner-up is drawn with ``rng`` as
+        any choice is; in a near-tie the picker's own tie-breakers (the longest cached prefix)
+        decide, so a cache holder keeps its prompt. Pure: ``fresh`` is the caller's read."""
+        if self.role != PREFILL or not self.scorers:
+            return first
+        rest = [w for w in workers if w.id != first.worker_id]
+        mine = [w for w in workers if w.id == first.worker_id]
+        if not rest or not mine:
+            return first
+        try:
+            alt = self.choose(q, rest, rng)
+        except NoWorker:
+            return first
+        pair = []
+        for w in (mine[0], next(v for v in rest if v.id == alt.worker_id)):
+            queued, owed = fresh(w.id)
+            pair.append(replace(w, queued_ms=queued, owed_ms=owed))
+        return self.choose(q, pair, rng)
 
     def rank_decode(self, workers: Sequence[WorkerView]) -> tuple[list[int], list[int]]:
         """For the simulator's decode shortlist: indices of all ``workers`` (unfiltered) best first by
@@ -308,10 +384,11 @@ class PolicyBook:
     """The built-in policies plus those declared in the settings; builds `Policy` instances."""
 
     declared: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    peers: bool = False  # the peer imitations too (the simulator's book)
     defs: dict[tuple[str, str], PolicyDef] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.defs = {(d.role, d.name): d for d in _BUILTIN}
+        self.defs = {(d.role, d.name): d for d in (*_BUILTIN, *(PEER_IMITATIONS if self.peers else ()))}
         for name, raw in self.declared.items():
             d = PolicyDef.parse(name, raw)
             if (d.role, name) in self.defs:

@@ -87,11 +87,14 @@ class WorkerView:
 @dataclass(frozen=True, slots=True)
 class PrefillQuery:
     """One prompt to place: its length and, per worker id, how many of its leading full blocks that
-    worker holds according to this replica's cache mirror (absent means none)."""
+    worker holds according to this replica's cache mirror (absent means none). ``keys``: the
+    prompt's full-block keys, for pickers that track prefixes themselves (the peer imitations'
+    approximate trees); the gateway's own policies read only ``hit_blocks``."""
 
     input_tokens: int
     hit_blocks: Mapping[str, int]
     block_size: int
+    keys: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         # Checked once here so plugins can do block arithmetic without guards on the hot path.

@@ -14,7 +14,6 @@ from app.config import Settings
 from app.scheduling.batcher import BatcherConfig
 from app.scheduling.policy import DECODE, PREFILL, PolicyBook
 from app.sim.config import BATCHING, PROFILES, SimConfig
-from app.sim.peers import PEERS
 from app.sim.run import PolicySpec, prepare_trace, run_simulation, write_run
 from app.traces import TraceError, load_trace, parse_slice
 
@@ -25,7 +24,7 @@ def parse_policies(spec: str, default_batching: str, book: PolicyBook | None = N
     """``cost,round_robin@direct`` → specs. A name is a prefill policy of ``book`` (built-in and
     declared in FLEXLB_POLICIES); ``@batching`` overrides its batching, which is the policy's own
     when it declares one, else ``default_batching``."""
-    book = book or PolicyBook()
+    book = book or PolicyBook(peers=True)
     known = book.names(PREFILL)
     out: list[PolicySpec] = []
     seen: set[str] = set()
@@ -34,11 +33,9 @@ def parse_policies(spec: str, default_batching: str, book: PolicyBook | None = N
         if not name:
             continue
         strategy, _, batching = name.partition("@")
-        if strategy not in known and strategy not in PEERS:
-            peers, names = ", ".join(PEERS), ", ".join(known)
-            raise ValueError(f"unknown policy {strategy!r} (peer imitations: {peers}); known: {names}")
-        peer = strategy in PEERS
-        batching = batching or (None if peer else book.get(PREFILL, strategy).batching) or default_batching
+        if strategy not in known:
+            raise ValueError(f"unknown policy {strategy!r}; known: {', '.join(known)}")
+        batching = batching or book.get(PREFILL, strategy).batching or default_batching
         if batching not in BATCHING:
             raise ValueError(f"unknown batching {batching!r} in {name!r}; known: {', '.join(BATCHING)}")
         if name in seen:
@@ -83,7 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy",
         default="cost,prefix,least_load,round_robin",
         help=(
-            "comma-separated prefill policies (built-in: " + ", ".join(PolicyBook().names(PREFILL)) + "; "
+            "comma-separated prefill policies (built-in: "
+            + ", ".join(PolicyBook(peers=True).names(PREFILL))
+            + "; "
             "more in FLEXLB_POLICIES), each optionally NAME@BATCHING "
             "(default: cost,prefix,least_load,round_robin)"
         ),

@@ -47,6 +47,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from app.cache.mirror import CacheMirror
@@ -58,7 +59,7 @@ from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.reserve import OutputLengthEstimator
-from app.scheduling.routing import DecodeQuery, NoWorker
+from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery
 from app.sim.config import SimConfig
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
 from app.sim.polls import poll_owners
@@ -296,17 +297,19 @@ class ClusterSim:
         rep.age(self.now)  # the live origin ages owed ms read by its hand-offs per request
         q = rep.prefill_query(size, keys, self.now)
         try:
-            if rep.peer is not None:
-                waiting = {self.pids[j]: n for j, n in enumerate(self.queue_items)}
-                choice = rep.peer.choose(keys, q, rep.pviews, rep.rng, waiting)
+            if rep.peer:
+                # The imitations read queue lengths as the peer routers scrape them from the
+                # engines (fresh), not from the owners' snapshot.
+                views = [replace(v, queue_len=n) for v, n in zip(rep.pviews, self.queue_items, strict=True)]
+                choice = rep.pstrat.choose(q, views, rep.rng)
             else:
                 choice = rep.choose_prefill(q)
         except NoWorker:
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
-        if self.cfg.fresh_pick and rep.peer is None and rep.pstrat.name == "cost":
-            choice = rep.fresh_pick(q, choice, self._live_load)
+        if self.cfg.fresh_pick and not rep.peer:
+            choice = rep.fresh_pick(q, choice, self._fresh_loads)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
@@ -317,7 +320,7 @@ class ClusterSim:
         own_ms = choice.predicted_ms or self.formula.predict_batch([BatchItem(size, choice.hit_tokens)])
         view = rep.pviews[w]
         verdict = admission_decide(
-            self.cfg.admission if rep.peer is None else _NO_ADMISSION,
+            self.cfg.admission if not rep.peer else _NO_ADMISSION,
             view,
             own_ms,
             self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
@@ -343,7 +346,7 @@ class ClusterSim:
         # Trace requests name no deadline of their own: held to the cluster SLO (it caps batches),
         # ended late by the owner only when told to, as the live origin does.
         adm = self.cfg.admission
-        slo = adm.mode == "slo" and rep.peer is None
+        slo = adm.mode == "slo" and not rep.peer
         pend = Pending(
             rid,
             size,
@@ -355,6 +358,13 @@ class ClusterSim:
             drop_late=slo and adm.drop_late == "always",
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
+
+    def _fresh_loads(self, wid: str) -> tuple[float, float]:
+        """(queued ms, owed ms) of a prefill worker as a round trip to the shared state reads them
+        now, every replica's hand-offs included (`Policy.second_look`'s ``fresh``)."""
+        w = self.pindex[wid]
+        ledger = self.ledger[w].values()
+        return self.queued_ms[w], owed_ms(((pred, start) for pred, start, _left in ledger), self.now)
 
     def _live_load(self, w: int) -> float:
         """What the hand-off script reads in its round trip: the ledger's owed ms now plus the
@@ -438,9 +448,9 @@ class ClusterSim:
     def _reply(self, i: int, res: tuple[str | None, PrefillResult | None]) -> None:
         code, r = res
         st = self.reqs[i]
-        peer = self.replicas[st.origin].peer
-        if peer is not None and st.prefill >= 0:
-            peer.finished(self.pids[st.prefill], -(-self.trace.requests[i].input_len // self.bs))
+        if st.prefill >= 0:
+            q = PrefillQuery(self.trace.requests[i].input_len, {}, self.bs)
+            self.replicas[st.origin].pstrat.finished(self.pids[st.prefill], q)
         if code is not None:
             self._fail(i, code)
             return
@@ -461,6 +471,11 @@ class ClusterSim:
         if max_new == 1:
             st.t_end = self.now
             self._complete(i)
+            # No decode will fetch this KV: the live origin unpins it at once (`Pipeline.run`,
+            # max_new_tokens == 1). Left to the handle's 30 s expiry, prefill-only traffic pinned
+            # the prefill workers' KV full and stalled their engines behind predictions that
+            # could not see it (late TTFTs on trace_30min, half of it prefill-only).
+            self._push(self.now + self.cfg.reply_latency_ms, _RELEASE, w, r.request_id)
             return
         d = st.decode
         eng = self.deng[d]

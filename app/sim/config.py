@@ -76,7 +76,8 @@ class SimConfig:
     batcher: BatcherConfig = field(default_factory=BatcherConfig)
     # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
     admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
-    # `cost` compares its pick and runner-up on fresh shared load (app/sim/cluster.py _fresh_pick).
+    # The prefill policy re-ranks its pick and runner-up on fresh shared load (`Policy.second_look`,
+    # power of two choices against herding); not in the live gateway yet, so off by default.
     fresh_pick: bool = False
     # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
     # and the decode engines' admission (reserve | expected: on use, with preemption).
@@ -95,8 +96,9 @@ class SimConfig:
         self.admission.validate()
 
     def policy_book(self) -> PolicyBook:
-        """The policies a run may name: built-in plus declared (ValueError if a declared one is bad)."""
-        return PolicyBook(self.policies)
+        """The policies a run may name: built-in, the peer imitations and declared (ValueError if a
+        declared one is bad)."""
+        return PolicyBook(self.policies, peers=True)
 
     def gateway_formula(self) -> Formula:
         return gateway_formula(self.profile, self.formula or _settings().prefill_time_formula)

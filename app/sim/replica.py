@@ -22,7 +22,6 @@ from app.scheduling.routing import (
     current_loads,
     top_candidates,
 )
-from app.sim.peers import PEERS, make_peer
 
 if TYPE_CHECKING:
     from app.sim.cluster import ClusterSim
@@ -43,9 +42,9 @@ class SimReplica:
         self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
-        # A peer router imitation (app/sim/peers.py) routes instead of a FlexLB policy.
-        self.peer = make_peer(policy, sim.formula) if policy in PEERS else None
-        self.pstrat = sim.book.build(PREFILL, "cost" if self.peer else policy, sim.formula)
+        self.pstrat = sim.book.build(PREFILL, policy, sim.formula)
+        # A peer router imitation (a registry picker) runs without FlexLB's admission.
+        self.peer = self.pstrat.peer
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
@@ -69,7 +68,7 @@ class SimReplica:
         """The prompt as the prefill policy sees it, as `Pipeline.choose_prefill` builds it: hits
         from the mirror's `match_fast` with this replica's speculative entries."""
         hits = self.mirror.match_fast(keys, now, self.spec) if keys else {}
-        return PrefillQuery(size, hits, self.bs)
+        return PrefillQuery(size, hits, self.bs, keys)
 
     def choose_prefill(self, q: PrefillQuery) -> Choice:
         """The prefill policy's choice, over a shortlist on a large fleet (see app/sim/cluster.py)."""
@@ -96,21 +95,12 @@ class SimReplica:
         except NoWorker:
             return self.pstrat.choose(q, views, self.rng)
 
-    def fresh_pick(self, q: PrefillQuery, choice: Choice, live_load: Callable[[int], float]) -> Choice:
-        """Power of two choices on fresh load (`SimConfig.fresh_pick`, not in the live gateway):
-        the strategy's pick and its runner-up by this replica's possibly stale view are compared
-        on the shared state as a hand-off script would read it, and the request goes where it is
-        predicted to finish first, so replicas stop herding onto the worker that looked idlest."""
-        views = [v for v in self.pviews if v.id != choice.worker_id]
-        try:
-            alt = self.pstrat.choose(q, views, self.rng)
-        except NoWorker:
-            return choice
-        a, b = self.pindex[choice.worker_id], self.pindex[alt.worker_id]
-        ca = choice.predicted_ms + live_load(a)
-        cb = alt.predicted_ms + live_load(b)
-        tie = max(0.1 * ca, 20.0)  # the strategy's own tie band: keep its (cache-affine) pick
-        return alt if cb < ca - tie else choice
+    def fresh_pick(
+        self, q: PrefillQuery, choice: Choice, fresh: Callable[[str], tuple[float, float]]
+    ) -> Choice:
+        """`Policy.second_look` (`SimConfig.fresh_pick`) over the candidates the choice was made
+        from, with ``fresh`` the shared state as a hand-off script would read it now."""
+        return self.pstrat.second_look(q, self.pviews, choice, fresh, self.rng)
 
     def _refresh_pool(self) -> None:
         self.routed_since_pool = 0

@@ -156,6 +156,18 @@ class DecodeEngine:
         effects.extend(self._admit())
         return effects
 
+    def set_admission(self, mode: str) -> None:
+        """Switch `reserve` <-> `expected` (ADMISSIONS). Only while no sequence is in flight: the
+        modes count KV differently (`reserve` holds each sequence's need in `_used`, `expected`
+        computes use from the tokens generated), so a switch mid-run would corrupt the count."""
+        if mode not in ADMISSIONS:
+            raise ValueError(f"decode_admission must be one of {ADMISSIONS}")
+        if mode != self.admission and self._seqs:
+            raise ValueError(
+                f"decode_admission can change only while the engine is idle ({len(self._seqs)} in flight)"
+            )
+        self.admission = mode
+
     def reset(self, now: float) -> list[Effect]:
         effects: list[Effect] = []
         for rid in list(self._seqs):

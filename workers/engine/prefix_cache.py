@@ -12,6 +12,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 DIFF_LOG_LIMIT = 100_000
+# The log keeps at most this many entries per block the cache can hold (and at least
+# DIFF_LOG_MIN): a diff longer than that carries more keys than a full snapshot would, so a poller
+# that far behind is answered with the snapshot anyway. A cap of DIFF_LOG_LIMIT alone kept a
+# steadily evicting cache's log filling for most of an hour (issue 14 soak: worker RSS growth).
+DIFF_LOG_PER_BLOCK = 2
+DIFF_LOG_MIN = 1024
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,11 @@ class PrefixCache:
     def _record(self, added: bool, key: int) -> None:
         self.version += 1
         self._log.append((self.version, added, key))
-        if len(self._log) > DIFF_LOG_LIMIT:
+        limit = min(
+            DIFF_LOG_LIMIT,
+            max(DIFF_LOG_MIN, DIFF_LOG_PER_BLOCK * (self.capacity_tokens // max(1, self.block_size))),
+        )
+        while len(self._log) > limit:
             v, _, _ = self._log.popleft()
             self._log_floor = v
 

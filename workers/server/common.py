@@ -43,6 +43,7 @@ class WorkerConfig:
     time_scale: float = 1.0
     block_size: int = 64
     kv_capacity_tokens: int | None = None
+    decode_admission: str = "reserve"  # decode engine: reserve | expected (workers/engine/decode.py)
     seed: int = 0
     model_name: str = "flexlb-sim"
     tokenizer: str = "byte"

@@ -16,6 +16,7 @@ import numpy as np
 from app.protocol import worker_api as W
 from app.protocol.codes import EngineStatus
 from app.scheduling.formula import FormulaError
+from workers.engine.decode import ADMISSIONS, DecodeEngine
 from workers.engine.faults import Faults
 from workers.engine.prefill import PrefillEngine
 from workers.engine.profiles import EngineProfile, get_profile
@@ -210,6 +211,7 @@ class ControlModel:
             "time_scale",
             "kv_handle_ttl_ms",
             "chunk_interval_ms",
+            "decode_admission",
         }
         bad = set(body) - allowed
         if bad:
@@ -236,9 +238,20 @@ class ControlModel:
         chunk = body.get("chunk_interval_ms")
         if chunk is not None and not (isinstance(chunk, int | float) and chunk > 0):
             raise ControlError("chunk_interval_ms must be > 0")
+        admission = body.get("decode_admission")
+        if admission is not None:
+            if not isinstance(self.core, DecodeEngine):
+                raise ControlError("decode_admission applies to a decode worker's simulated engine")
+            if admission not in ADMISSIONS:
+                raise ControlError(f"decode_admission must be one of {list(ADMISSIONS)}")
 
         def apply() -> dict[str, Any]:
             now = self.runner.model_now()
+            if admission is not None:  # first: it alone can refuse (engine busy), nothing applied yet
+                try:
+                    self.core.set_admission(admission)  # type: ignore[union-attr]
+                except ValueError as exc:
+                    raise ControlError(str(exc)) from None
             if scale is not None:
                 self.runner.set_time_scale(float(scale))
             if chunk is not None and self.runner.tick_ms is not None:
@@ -257,6 +270,8 @@ class ControlModel:
     def _reset(self) -> dict[str, Any]:
         now = self.runner.model_now()
         self._route(self.core.reset(now))
+        if isinstance(self.core, DecodeEngine):  # idle now: every sequence was cancelled
+            self.core.set_admission(self.cfg.decode_admission)
         self.profile = self._profile(self.cfg.profile, self.cfg.formula, self.cfg.kv_capacity_tokens)
         self.current = {
             "profile": self.cfg.profile,

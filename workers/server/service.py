@@ -87,7 +87,9 @@ class WorkerService(PrefillModel, DecodeModel, ControlModel):
                 kv_handle_ttl_ms=self.cfg.kv_handle_ttl_ms,
                 faults=self.cfg.faults,
             )
-        return DecodeEngine(self.profile, seed=self.cfg.seed, faults=self.cfg.faults)
+        return DecodeEngine(
+            self.profile, seed=self.cfg.seed, faults=self.cfg.faults, admission=self.cfg.decode_admission
+        )
 
     def _kv_fetch_handler(self) -> Any:
         """What answers a side-channel fetch (a real engine's KV frame); None: claims only."""

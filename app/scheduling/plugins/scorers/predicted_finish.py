@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.scheduling.formula import Formula
-from app.scheduling.plugins.registry import BuildContext, Candidates, Plugin, register
+from app.scheduling.plugins.registry import Candidates, register
+from app.scheduling.plugins.scorers import FormulaScorer
 
 
 @register("scorer", "predicted_finish_ms", roles=("prefill",))
-class PredictedFinish(Plugin):
+class PredictedFinish(FormulaScorer):
     """predict_ms(L, h_w) + owed_ms(w) + queued_ms(w), lower is better (DESIGN §7).
 
     A long cached prefix makes ``predict_ms`` small, so the cache holder wins until the work already
@@ -17,14 +17,7 @@ class PredictedFinish(Plugin):
     cannot be evaluated raises FormulaEvalError (a configuration bug, not something to route around)."""
 
     sense = "min"
-    __slots__ = ("formula",)
-
-    def __init__(self, ctx: BuildContext) -> None:
-        if not isinstance(ctx.formula, Formula):
-            raise TypeError(
-                f"scorer {self.name!r} needs a compiled Formula, not {type(ctx.formula).__name__}"
-            )
-        self.formula = ctx.formula
+    __slots__ = ()
 
     def score(self, q: Any, c: Candidates) -> list[float]:
         predict = self.formula.predict_one

@@ -1,0 +1,104 @@
+"""The peer router imitations are registry plugins and built-in policies like every strategy
+(one place to add one), and behave as the routers they imitate."""
+
+from __future__ import annotations
+
+import random
+
+from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
+from app.scheduling.plugins import registry
+from app.scheduling.policy import Policy, PolicyBook
+from app.scheduling.routing import PrefillQuery, WorkerView
+from app.sim.cli import parse_policies
+from app.sim.cluster import ClusterSim
+from app.sim.config import SimConfig, batcher_config
+from app.traces import synthetic_trace
+
+PEERS = ("sglang_cache_aware", "vllm_cache_aware", "llmd_precise", "dynamo_kv")
+FORMULA = compile_formula(DEFAULT_PREFILL_FORMULA)
+
+
+def workers(n: int = 4, **kw: object) -> list[WorkerView]:
+    return [
+        WorkerView(f"p{i}", "prefill", kv_total_tokens=100_000, kv_free_tokens=100_000, **kw)  # type: ignore[arg-type]
+        for i in range(n)
+    ]
+
+
+BOOK = PolicyBook(peers=True)
+
+
+def make_prefill_policy(name: str, **kw: object) -> Policy:
+    return BOOK.build("prefill", name, FORMULA, **kw)
+
+
+def test_registered_as_pickers_and_policies() -> None:
+    book = BOOK
+    for name in PEERS:
+        assert name in registry.names("picker", "prefill")
+        assert name in book.names("prefill")
+        assert name not in PolicyBook().names("prefill")  # the live gateway's book
+        pol = make_prefill_policy(name)
+        assert pol.peer
+    assert not make_prefill_policy("cost").peer
+    # Published defaults are parameters, overridable like any plugin's.
+    assert registry.get("picker", "vllm_cache_aware").params["cache_threshold"] == 0.5
+    assert make_prefill_policy("sglang_cache_aware", balance_abs=8).picker.balance_abs == 8
+    assert [s.name for s in parse_policies(",".join(PEERS), "window", book)] == list(PEERS)
+
+
+def test_cache_aware_follows_its_own_tree_and_balances_in_flight() -> None:
+    pol = make_prefill_policy("sglang_cache_aware")
+    rng = random.Random(1)
+    keys = (11, 12, 13, 14)
+    q = PrefillQuery(4 * 64 + 10, {}, 64, keys)
+    first = pol.choose(q, workers(), rng).worker_id
+    # Its tree (not the engines' caches: no hits here) brings the same prefix back.
+    assert {pol.choose(q, workers(), rng).worker_id for _ in range(5)} == {first}
+    # Until its own in-flight count there is imbalanced beyond 64 and 1.5x: then the least loaded.
+    for _ in range(70):
+        pol.picker._routed(first, q)  # type: ignore[attr-defined]
+        pol.picker.inflight[first] = pol.picker.inflight.get(first, 0) + 1  # type: ignore[attr-defined]
+    assert pol.choose(q, workers(), rng).worker_id != first
+    # `finished` takes finished prefills off the count.
+    n = pol.picker.inflight[first]  # type: ignore[attr-defined]
+    pol.finished(first, q)
+    assert pol.picker.inflight[first] == n - 1  # type: ignore[attr-defined]
+
+
+def test_dynamo_counts_its_in_flight_prefill_blocks() -> None:
+    pol = make_prefill_policy("dynamo_kv")
+    rng = random.Random(0)
+    q = PrefillQuery(640, {}, 64)
+    picks = [pol.choose(q, workers(3), rng).worker_id for _ in range(3)]
+    assert sorted(picks) == ["p0", "p1", "p2"]  # each pick adds 10 blocks where it went
+    for w in picks:
+        pol.finished(w, q)
+    assert all(v == 0 for v in pol.picker.inflight_blocks.values())  # type: ignore[attr-defined]
+
+
+def test_llmd_prefers_the_shorter_queue_and_the_prefix() -> None:
+    pol = make_prefill_policy("llmd_precise")
+    ws = [
+        WorkerView("a", "prefill", kv_total_tokens=100_000, kv_free_tokens=100_000, queue_len=5),
+        WorkerView("b", "prefill", kv_total_tokens=100_000, kv_free_tokens=100_000, queue_len=0),
+    ]
+    assert pol.choose(PrefillQuery(1000, {}, 64), ws, random.Random(0)).worker_id == "b"
+    # 15 of 15 full blocks held on a: prefix 3 x 0.96 outweighs queue 2 x 1.
+    assert pol.choose(PrefillQuery(1000, {"a": 15}, 64), ws, random.Random(0)).worker_id == "a"
+
+
+def test_simulator_runs_them_by_name_without_admission() -> None:
+    t = synthetic_trace(
+        300, 300.0, prefix_groups=6, prefix_blocks=4, unique_blocks=2, block_size=64, output_len=4, seed=5
+    )
+    for name in PEERS:
+        sim = ClusterSim(
+            t, SimConfig(prefill=3, decode=2, seed=1, replicas=2), name, batcher_config("window", 3000)
+        )
+        recs = sim.run().records
+        assert all(r.error is None for r in recs), name
+        assert not sim.rejections
+        # every routed prefill was taken off the in-flight counts again
+        for rep in sim.replicas:
+            assert not any(rep.pstrat.picker.inflight.values()), name  # type: ignore[attr-defined]
