@@ -206,7 +206,7 @@ def test_owner_killed_with_items_queued_and_in_flight(
         wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
         h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
         httpx.put(a.url + "/admin/config", json={"batch_max_size": 2, "max_inflight_batches": 1}, headers=h)
-        wait_for(lambda: "runtime config v1 applied" in a.log(), 5, what="config applied")
+        wait_for(lambda: "runtime config v1 applied" in a.log(), 30, what="config applied")
 
         async def run() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as c:
