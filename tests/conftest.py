@@ -232,6 +232,20 @@ def worker_call(address: str, op: str, **kw: object) -> dict:
     return asyncio.run(call())
 
 
+def finished_records(address: str) -> list[dict]:
+    """Every finished record a prefill worker still keeps, oldest first. Paged: a pool worker keeps
+    earlier tests' records, and one status answer holds only the oldest page of them."""
+    out: list[dict] = []
+    since = 0
+    for _ in range(1000):  # bounded: the engine's history is
+        st = worker_call(address, "status", since_seq=since)
+        out.extend(st["finished"])
+        if not st.get("more") or not st["finished"]:
+            break
+        since = int(st["finished"][-1]["seq"])
+    return out
+
+
 @pytest.fixture
 def workers_reset(worker_pool: dict[str, list[WorkerProc]]) -> Iterator[dict[str, list[WorkerProc]]]:
     """For sync tests (the async `clients` does the same): reset every pool worker before and after

@@ -13,7 +13,7 @@ import pytest
 
 from app.rpc.worker_client import WorkerClient
 
-from .conftest import worker_call
+from .conftest import finished_records, worker_call
 from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
 
@@ -234,14 +234,7 @@ def test_owner_killed_with_items_queued_and_in_flight(
         assert [r.status_code for r in resps] == [200] * 6, bodies
         assert "claimed" in b.log()
 
-        async def records() -> list[dict]:
-            c = WorkerClient(p.address)
-            try:
-                return (await c.status(0))["finished"]
-            finally:
-                await c.close()
-
-        ran = collections.Counter(r["request_id"] for r in asyncio.run(records()) if r["status"] == "ok")
+        ran = collections.Counter(r["request_id"] for r in finished_records(p.address) if r["status"] == "ok")
         assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
     finally:
         a.stop()
@@ -291,10 +284,11 @@ def test_ledger_owes_batch_prediction_from_the_engine_start(
                 return (await c.post(a.url + "/v1/generate", json=body)).json()
 
             def first_started() -> bool:
-                st = worker_call(wid.split("@", 1)[1], "status")
+                addr = wid.split("@", 1)[1]
+                st = worker_call(addr, "status")
                 rid = f"anchor-0-{cluster}"
                 running = any(x["phase"] == "running" and rid in x["request_ids"] for x in st["live"])
-                return running or any(x["request_id"] == rid for x in st["finished"])
+                return running or any(x["request_id"] == rid for x in finished_records(addr))
 
             first = asyncio.create_task(one(0))
             # the first batch started on the worker (0.6 s; a bounded poll, not a fixed sleep)

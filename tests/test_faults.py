@@ -29,7 +29,7 @@ from app.state.keys import Keys
 from app.state.redis_ha import RedisHA
 
 from .chaos import Load, assert_clean, fresh_batch, summary
-from .conftest import start_worker, worker_call
+from .conftest import finished_records, start_worker, worker_call
 from .faultproxy import FaultProxy
 from .gateways import Gateway, free_port, start_gateway, wait_for
 
@@ -437,11 +437,7 @@ def test_case2_sigstop_past_the_leases_steps_down_runs_nothing_twice_and_keeps_c
                 assert r.hget(keys.request(x.rid), "state") == b"completed", x
         # nothing ran twice on a prefill engine
         for w in pool["prefill"]:
-            ran = Counter(
-                f["request_id"]
-                for f in worker_call(w.address, "status", since_seq=0)["finished"]
-                if f["status"] == "ok"
-            )
+            ran = Counter(f["request_id"] for f in finished_records(w.address) if f["status"] == "ok")
             assert all(n == 1 for n in ran.values()), [k for k, n in ran.items() if n > 1]
         # the zombie stepped down before writing, and is back as a live, ready member
         assert "stepping down" in b.log() or "lapsed locally" in b.log()

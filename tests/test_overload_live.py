@@ -18,6 +18,7 @@ import httpx
 
 from app.rpc.worker_client import WorkerClient
 
+from .conftest import finished_records
 from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
 SLO_MS = 3000
@@ -25,15 +26,7 @@ SLO_MS = 3000
 
 def engine_records(address: str) -> dict[str, dict]:
     """The prefill engine's finished records by request id (modelled start/end ms)."""
-
-    async def get() -> list[dict]:
-        c = WorkerClient(address)
-        try:
-            return (await c.status(0))["finished"]  # type: ignore[no-any-return]
-        finally:
-            await c.close()
-
-    return {r["request_id"]: r for r in asyncio.run(get())}
+    return {r["request_id"]: r for r in finished_records(address)}
 
 
 def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast(
