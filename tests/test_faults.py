@@ -61,7 +61,7 @@ def wid(w) -> str:  # type: ignore[no-untyped-def]
 
 
 def start_two(  # type: ignore[no-untyped-def]
-    tmp: Path, redis_url: str, cluster: str, wids: list[str], accept=None, via: redis.Redis | None = None
+    tmp: Path, redis_url: str, cluster: str, wids: list[str], accept=None, via=None, **env: str
 ) -> tuple[Gateway, Gateway]:
     """Two replicas, live before the workers are registered, so each takes what rendezvous hashing
     assigns it; `accept(owners, a, b)` picks replica ids that give the case its ownership."""
@@ -74,11 +74,12 @@ def start_two(  # type: ignore[no-untyped-def]
             break
     with ThreadPoolExecutor(2) as ex:
         futs = [
-            ex.submit(start_gateway, tmp, redis_url, cluster, FLEXLB_REPLICA_ID=rid, **GW_ENV) for rid in ids
+            ex.submit(start_gateway, tmp, redis_url, cluster, FLEXLB_REPLICA_ID=rid, **{**GW_ENV, **env})
+            for rid in ids
         ]
     gws = [f.result() for f in futs]
     a, b = gws
-    wait_for(lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 15, what="2 live")
+    wait_for(lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 60, what="2 live")
     assert a.post("/admin/workers", admin=True, json={"workers": ",".join(wids)}).status_code == 200
     r = via or redis.Redis.from_url(redis_url)  # `via`: a plain client when the URL is Sentinel's
     keys = Keys(cluster)
@@ -175,7 +176,11 @@ def test_case3_sigkill_of_a_prefill_worker_mid_batch_retries_or_types_every_requ
     own = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "60")
     p0, px, d = wid(pool["prefill"][0]), wid(own), wid(pool["decode"][0])
     cluster = f"t-f3-{uuid.uuid4().hex[:6]}"
-    a, b = start_two(tmp_path, shared_embedded_redis, cluster, [p0, px, d])
+    # Round robin: the case is a worker dying mid-batch, so the doomed worker must get work whatever
+    # the cache says (`cost` keeps the load's shared prefixes on the worker that holds them).
+    a, b = start_two(
+        tmp_path, shared_embedded_redis, cluster, [p0, px, d], FLEXLB_PREFILL_STRATEGY="round_robin"
+    )
     r, keys = redis.Redis.from_url(shared_embedded_redis), Keys(cluster)
     try:
         slow_prefill(pool, "60")
