@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import multiprocessing as mp
 import os
 import secrets
+import subprocess
 import sys
 import time
 import uuid
@@ -323,8 +323,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(results["overload"], indent=1))
     finally:
         for proc in reversed(procs):
-            with contextlib.suppress(Exception):
+            try:  # Proc.stop handles a process that is gone or hung; what else fails is said
                 proc.stop()
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                print(f"could not stop {proc.name} ({proc.pid}): {exc!r}", file=sys.stderr)
         emb.stop()
     if args.output:
         args.output.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from app.gateway.errors import ApiError
 from app.request.pipeline import GenRequest, StoredOutcome
 
 T = TypeVar("T")
+log = logging.getLogger("flexlb.api")
 
 
 # ---- running a request ----------------------------------------------------------------------
@@ -178,8 +180,10 @@ async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> Stream
     first = await guarded(request, gen.__anext__())
     if first.startswith(b'data: {"error"'):
         err = json.loads(first[6:])["error"]
-        with contextlib.suppress(Exception):
+        try:  # the request has ended (its error event is out): this only finishes the generator
             await gen.aclose()
+        except Exception:  # a bug in the generator's ending: logged; the client still gets its error
+            log.exception("closing the stream after its error event failed")
         raise ApiError(err["code"], err["message"])
 
     async def body() -> AsyncIterator[bytes]:

@@ -70,7 +70,7 @@ class EmbeddedRedis:
         for pid in (self.watchdog_pid, self.pid):
             _terminate(pid, timeout)
         for p in self._procs:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(0.1)
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
@@ -230,7 +230,7 @@ def start_embedded_redis(
         if not up:
             # Port taken by a racing process, or a startup failure. Clean up and try a new port.
             _terminate(proc.pid, 2.0)
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(1.0)
             with contextlib.suppress(OSError):
                 last_err = (data_dir / "redis.log").read_text()[-2000:]
