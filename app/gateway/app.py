@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_fastapi_instrumentator import Instrumentator
 from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.api.arrival import StampArrival
+from app.api.http_metrics import HttpMetrics, http_series
 from app.api.openapi import build_openapi
 from app.api.routes import router as api_router
 from app.cluster.registry import WorkerSpec
@@ -88,9 +88,9 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     app.include_router(api_router)
     # HTTP metrics by route template (bounded labels, status grouped as 2xx/4xx/5xx), exported through
     # our registry and /metrics; probes and scrapes are left out so they do not drown the traffic.
-    Instrumentator(registry=M.REGISTRY, excluded_handlers=["/metrics", "/healthz", "/readyz"]).instrument(
-        app, metric_namespace="flexlb"
-    )
+    # Innermost of the middlewares, as the instrumentator it replaces was (app/api/http_metrics.py):
+    # answers the limits below give before routing are not counted.
+    app.add_middleware(HttpMetrics, series=http_series(M.REGISTRY), excluded=_NOT_TRAFFIC)
     # Input limits before any work (app/security/limits.py): outside routing, so a refused body is
     # never read whole; the cap answers before the body is read at all.
     # Outermost first: the body limit (413 from Content-Length at once), the tenant (401/403; it
@@ -130,6 +130,7 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
     return app
 
 
+_NOT_TRAFFIC = ("/metrics", "/healthz", "/readyz")
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
