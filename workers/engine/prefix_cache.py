@@ -84,23 +84,30 @@ class PrefixCache:
 
     # ---- pins ----------------------------------------------------------------------------
     def pin(self, keys: Iterable[int]) -> None:
+        lru = self._lru
+        newly = 0
         for k in keys:
-            c = self._lru.get(k)
+            c = lru.get(k)
             if c is None:
                 continue
             if c == 0:
-                self._pinned_blocks += 1
-            self._lru[k] = c + 1
-            self._lru.move_to_end(k)
+                newly += 1
+            lru[k] = c + 1
+            lru.move_to_end(k)
+        self._pinned_blocks += newly
 
     def unpin(self, keys: Iterable[int]) -> None:
+        """Hot like `insert`: a released or expired 8K-token handle unpins 128 blocks."""
+        lru = self._lru
+        freed = 0
         for k in keys:
-            c = self._lru.get(k)
-            if c is None or c == 0:
+            c = lru.get(k)
+            if not c:  # absent or not pinned
                 continue
-            self._lru[k] = c - 1
+            lru[k] = c - 1
             if c == 1:
-                self._pinned_blocks -= 1
+                freed += 1
+        self._pinned_blocks -= freed
 
     # ---- mutation ------------------------------------------------------------------------
     def insert(self, keys: Sequence[int], *, pin: bool, budget_tokens: int) -> list[int]:
