@@ -1,11 +1,12 @@
-"""What the HTTP metrics middleware costs a request, in-process (#20).
+"""What the HTTP metrics middleware and the route order cost a request, in-process (#20).
 
 One FastAPI app shaped like the gateway's routing (the docs routes, 20 admin routes in an included
 router, then the API's), a POST answered at once, driven straight through ASGI (no sockets, no
 server) and timed by this process's CPU time: without HTTP metrics, with
-prometheus-fastapi-instrumentator as the gateway used it, and with app/api/http_metrics.py. The
-arms alternate in rounds; the medians of the rounds' µs per request are printed, so the box's load
-hits the arms alike.
+prometheus-fastapi-instrumentator as the gateway used it, with app/api/http_metrics.py, and with
+that and the API's router included before the admin one (app/gateway/app.py). The arms alternate
+in rounds; the medians of the rounds' µs per request are printed, so the box's load hits the arms
+alike.
 
     .venv/bin/python bench/gw_http_layer.py [ROUNDS] [REQUESTS_PER_ROUND]
 """
@@ -25,7 +26,7 @@ from starlette.responses import Response
 
 from app.api.http_metrics import HttpMetrics, HttpSeries
 
-ARMS = ("none", "instrumentator", "lean")
+ARMS = ("none", "instrumentator", "lean", "lean+api-first")
 
 
 def make(arm: str) -> FastAPI:
@@ -38,14 +39,14 @@ def make(arm: str) -> FastAPI:
     async def completions() -> Response:
         return Response(b'{"ok":1}', media_type="application/json")
 
-    app.include_router(admin)
-    app.include_router(api)
+    for r in (api, admin) if arm.endswith("api-first") else (admin, api):
+        app.include_router(r)
     excluded = ["/metrics", "/healthz", "/readyz"]
     if arm == "instrumentator":
         Instrumentator(registry=CollectorRegistry(), excluded_handlers=excluded).instrument(
             app, metric_namespace="x"
         )
-    elif arm == "lean":
+    elif arm.startswith("lean"):
         app.add_middleware(HttpMetrics, series=HttpSeries(CollectorRegistry(), "x"), excluded=excluded)
     return app
 
@@ -92,7 +93,8 @@ async def main(rounds: int, n: int) -> None:
         f"CPU µs per request, median of {rounds} rounds of {n}: "
         + ", ".join(f"{arm} {med[arm]:.1f}" for arm in ARMS)
         + f"; metrics cost: instrumentator {med['instrumentator'] - med['none']:.1f}, "
-        + f"lean {med['lean'] - med['none']:.1f}"
+        + f"lean {med['lean'] - med['none']:.1f}; API routes first: "
+        + f"{med['lean+api-first'] - med['lean']:.1f}"
     )
 
 
