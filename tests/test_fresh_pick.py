@@ -16,8 +16,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from app.request.routing_inputs import FreshPair, fresh_pair
+from app.request.routing_inputs import LOAD_SLOPE, FreshPair, fresh_pair
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
+from app.scheduling.plugins import registry
+from app.scheduling.plugins.registry import BuildContext, Candidates
 from app.scheduling.policy import PolicyBook
 from app.scheduling.routing import PREFILL, Choice, PrefillQuery, WorkerView
 from app.state.keys import Keys
@@ -70,6 +72,25 @@ def test_fresh_pair_ranks_as_the_policys_second_look() -> None:
                 agree += 1
             moved += mine != first.worker_id
     assert agree > 400 and moved > 50, (agree, moved)
+
+
+def test_each_scorer_moves_with_live_load_by_its_listed_slope() -> None:
+    """`LOAD_SLOPE` is what the hand-off script's lines rest on: each listed scorer's score moves
+    by exactly its slope per ms queued and per ms owed, at any load and hit."""
+    formula = compile_formula(DEFAULT_PREFILL_FORMULA)
+    ctx = BuildContext(formula, PREFILL)
+    rnd = random.Random(11)
+    for name, slope in LOAD_SLOPE.items():
+        scorer = registry.build("scorer", name, ctx, {})
+        for _ in range(20):
+            q = PrefillQuery(rnd.randint(64, 4096), {}, 64)
+            base = _view("w", rnd.uniform(0, 500), rnd.uniform(0, 500))
+            hits = [rnd.choice([0, 64, 640])]
+            s0 = scorer.score(q, Candidates([base], hits))[0]
+            for dq, do in ((7.5, 0.0), (0.0, 3.25)):
+                moved = _view("w", base.queued_ms + dq, base.owed_ms + do)
+                s1 = scorer.score(q, Candidates([moved], hits))[0]
+                assert s1 - s0 == pytest.approx(slope * (dq + do)), (name, dq, do)
 
 
 def test_fresh_pair_is_none_for_a_load_blind_policy() -> None:

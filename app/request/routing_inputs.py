@@ -4,7 +4,6 @@ policies' choices over them. No I/O: the live-vs-simulator test drives these dir
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass, replace
@@ -80,15 +79,21 @@ class FreshPair:
         return 0 if u[0] >= u[1] else 1
 
 
-def _utilities(policy: Policy, q: PrefillQuery, views: list[WorkerView]) -> list[float] | None:
-    """``policy``'s utilities of ``views`` (fit filter, filters, weighted scorers), or None when a
-    filter drops one of them (its verdict then depends on more than a line in the load)."""
-    c = policy.fit.apply(q, Candidates(views))
-    for f in policy.filters:
-        c = f.apply(q, c)
-    if len(c.workers) != len(views):
-        return None
-    out = [0.0] * len(views)
+# d score / d queued ms (= d score / d owed ms) of the prefill scorers whose score is a line in a
+# worker's live load: `predicted_finish_ms` and `prefill_load_ms` add both, the others read
+# neither (their formulas: app/scheduling/plugins/scorers/README.md; tests/test_fresh_pick.py
+# holds each scorer to its slope). A policy with any other scorer gets no fresh pick.
+LOAD_SLOPE = {
+    "predicted_finish_ms": 1.0,
+    "prefill_load_ms": 1.0,
+    "prefill_saved_ms": 0.0,
+    "cache_hit_tokens": 0.0,
+}
+
+
+def _utilities(policy: Policy, q: PrefillQuery, c: Candidates) -> list[float]:
+    """``policy``'s weighted scorers summed over candidates ``c`` (its utilities, higher better)."""
+    out = [0.0] * len(c.workers)
     for scorer, weight, sign in policy.scorers:
         out = [u + sign * weight * v for u, v in zip(out, scorer.score(q, c), strict=True)]
     return out
@@ -98,11 +103,14 @@ def fresh_pair(
     policy: Policy, q: PrefillQuery, views: list[WorkerView], first: Choice, rng: random.Random
 ) -> FreshPair | None:
     """The pair for `HANDOFF_PICK`, or None where the policy cannot be ranked in Redis: no scorers
-    or a picker other than ``best`` (load-blind: nothing to gain), one worker, no runner-up, or a
-    utility that is not linear in queued and owed ms (checked at the snapshot's own values). Pure;
-    draws the runner-up's and the tie's randomness from ``rng`` as `Policy.second_look` does."""
+    or a picker other than ``best`` (load-blind: nothing to gain), a scorer not in `LOAD_SLOPE`,
+    one worker, no runner-up, or a filter that drops one of the two (filters run
+    once, at the snapshot's loads). Pure; draws the runner-up's and the tie's randomness from
+    ``rng`` as `Policy.second_look` does."""
     picker = policy.picker
     if not policy.scorers or picker.name != "best":
+        return None
+    if any(s.name not in LOAD_SLOPE for s, _, _ in policy.scorers):
         return None
     a = next((v for v in views if v.id == first.worker_id), None)
     rest = [v for v in views if v.id != first.worker_id]
@@ -113,21 +121,14 @@ def fresh_pair(
     except NoWorker:
         return None
     b = next(v for v in rest if v.id == alt.worker_id)
-
-    def at(qa: float, oa: float, qb: float, ob: float) -> list[float] | None:
-        pair = [replace(a, queued_ms=qa, owed_ms=oa), replace(b, queued_ms=qb, owed_ms=ob)]
-        return _utilities(policy, q, pair)
-
-    zero, dq, do = at(0, 0, 0, 0), at(1, 0, 1, 0), at(0, 1, 0, 1)
-    now = at(a.queued_ms, a.owed_ms, b.queued_ms, b.owed_ms)
-    if zero is None or dq is None or do is None or now is None:
-        return None
-    terms = tuple((zero[i], dq[i] - zero[i], do[i] - zero[i]) for i in range(2))
-    loads = ((a.queued_ms, a.owed_ms), (b.queued_ms, b.owed_ms))
-    for (u0, cq, co), (ql, ol), u in zip(terms, loads, now, strict=True):
-        if not math.isclose(u0 + cq * ql + co * ol, u, rel_tol=1e-9, abs_tol=1e-6):
-            return None
     c = policy.fit.apply(q, Candidates([a, b]))
+    for f in policy.filters:
+        c = f.apply(q, c)
+    if len(c.workers) != 2:
+        return None
+    now = _utilities(policy, q, c)
+    slope = sum(sign * weight * LOAD_SLOPE[s.name] for s, weight, sign in policy.scorers)
+    terms = [(now[i] - slope * (v.queued_ms + v.owed_ms), slope, slope) for i, v in enumerate((a, b))]
     winner, _ = picker.pick(q, c, [0.0, 0.0], policy.sign, rng)  # both tied: its tie-breakers decide
     return FreshPair(
         first,
