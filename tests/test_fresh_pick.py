@@ -256,3 +256,46 @@ def test_fresh_load_another_replica_committed_moves_the_request(
     finally:
         asyncio.run(clean())
         gw.stop()
+
+
+async def test_handoff_pick_rides_in_a_limited_tenants_gate(shared_embedded_redis: str, cluster: str) -> None:
+    """A limited tenant's round trip runs inside the limit's `GATE` script (app/security/
+    ratelimit.py): the fresh pick folds into it like the plain hand-off, still one command, and
+    answers as alone (here the runner-up, idle, against a busy pick; the record names it)."""
+    from app.security.apikeys import Limits
+    from app.security.ratelimit import GATE, Limiter
+
+    r = aioredis.from_url(shared_embedded_redis)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    a, b, rid = "prefill@127.0.0.1:1", "prefill@127.0.0.1:2", "g1"
+    try:
+        await st.load_scripts()
+        await r.script_load(GATE)  # loaded, as after a first call (a NOSCRIPT costs a load and a rerun)
+        await r.set(keys.queued_ms(a), "500.000000")  # busy now, whatever the snapshot said
+        ks = [
+            keys.queue(a),
+            keys.queued_ms(a),
+            keys.ledger(a),
+            keys.queue(b),
+            keys.queued_ms(b),
+            keys.ledger(b),
+        ]
+        # cost-like lines: u = -(10 + queued + owed) on A, -(30 + queued + owed) on B; no tie band
+        terms = ["-10.0", "-1.0", "-1.0", "-30.0", "-1.0", "-1.0", "-1.0", "0.0", "0.0"]
+        args = [100, b"ids", "{}", "{}", "10.0", "30.0", "1", "1", *terms, 1, b]
+        trip = [
+            ["EVALSHA", st.sha("create_request"), 1, keys.request(rid), "o", "prefill_worker", a],
+            ["EVALSHA", st.sha("handoff_pick"), 7, *ks, keys.request(rid), *args],
+        ]
+        n0 = st.commands_total
+        v, res = await Limiter(st, cluster).run("t", Limits(rps=5), rid, 8, 60_000, trip)
+        assert v.allowed and st.commands_total - n0 == 1
+        assert res[0] == 1 and int(res[1][3]) == 2, res  # B: 30 + 0 beats 10 + 500
+        assert float(await r.get(keys.queued_ms(b))) == 30.0 and await r.xlen(keys.queue(a)) == 0
+        assert (await r.hget(keys.request(rid), "prefill_worker")).decode() == b
+    finally:
+        left = await r.keys(f"{cluster}*")
+        if left:
+            await r.delete(*left)
+        await r.aclose()
