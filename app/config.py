@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     )
     prefill_time_formula: str | None = Field(None, description="prefill ms formula; unset → default")
     max_queue_len: int = Field(1024, description="hand-off queue bound per prefill worker (429 beyond)")
+    fresh_pick: bool = Field(
+        True,
+        description="hand-off picks between the policy's top two on live queued/owed ms (one Redis primary)",
+    )
     admission: str = Field(
         "slo", description="slo: 429 slo_unattainable when the predicted TTFT misses the deadline; off"
     )
