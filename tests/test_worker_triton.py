@@ -383,7 +383,7 @@ async def test_block_keys_instead_of_ids_give_the_same_cache_and_results(clients
     assert r["end_ms"] - r["start_ms"] == pytest.approx(10 + 0.01 * (len(longer) - 320))
     # keys the caller hashed (the gateway's routing has them) are used as given
     other = prompt(19, 64 * 3)
-    given = PromptKeys(64, d["model_name"], d["tokenizer"], [block_keys(other, 64)])
+    given = PromptKeys.named(64, d["model_name"], d["tokenizer"], [block_keys(other, 64)])
     evs = [ev async for ev in c.prefill("b-" + uid(), epoch, [("g-" + uid(), other)], keys=given)]
     assert [r["status"] for ev in evs for r in ev.results] == ["ok"]
     after = await c.cache(base, epoch)

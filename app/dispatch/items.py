@@ -9,7 +9,7 @@ from typing import Any
 from app.scheduling.batcher import DEFAULT_PRIORITY
 from app.security.limits import PRIORITIES
 from app.security.tenants import NS
-from app.state.handoff import unpack_tokens
+from app.state.handoff import unpack_keys, unpack_tokens
 from app.state.text import to_str as s
 
 #: A class's level in the queue entry's `pr` field (absent for `default`): the owner's batcher
@@ -40,10 +40,15 @@ class QueueItem:
     sampling: dict[str, Any] | None = None  # temperature/top_p/seed for a real engine; None: greedy
     priority: int = DEFAULT_PRIORITY  # LEVEL of its x-flexlb-priority class
     tenant: str = ""  # from the namespaced request id: nothing extra travels for it
+    # Routing's block keys (the entry's `k` field) and their key space's namespace seed; None for
+    # an entry without them (an origin older than issue 20's change): the owner's client hashes.
+    keys: Any = None
+    key_space: int = 0
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
     m = json.loads(f[b"m"])
+    carried = unpack_keys(f[b"k"]) if b"k" in f else None
     return QueueItem(
         entry_id=s(entry_id),
         request_id=str(m["rid"]),
@@ -60,4 +65,6 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         sampling=m.get("smp") or None,
         priority=int(m.get("pr", DEFAULT_PRIORITY)),
         tenant=str(m["rid"]).split(NS, 1)[0] if NS in str(m["rid"]) else "",
+        keys=carried[1] if carried else None,
+        key_space=carried[0] if carried else 0,
     )

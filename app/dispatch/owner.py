@@ -27,7 +27,7 @@ from app.dispatch.items import QueueItem, parse_item
 from app.dispatch.ledger import OwnerLedger
 from app.logging_setup import lifecycle_sampled
 from app.protocol.codes import EngineStatus
-from app.rpc.worker_client import WorkerClient, WorkerUnavailable
+from app.rpc.worker_client import PromptKeys, WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
@@ -379,6 +379,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 [(i.request_id, i.tokens) for i in live],
                 timeout=timeout,
                 sampling=[i.sampling for i in live],
+                keys=_carried_keys(live),
             ):
                 if ev.event == "accepted":
                     accepted = True
@@ -479,6 +480,16 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         except RedisError as exc:  # not transient (a script error): never retried as it is
             self.loops.record(f"owner_dispatch:{self.wid}", exc)
             self._handling.discard(item.entry_id)  # the periodic re-claim answers it again
+
+
+def _carried_keys(items: list[QueueItem]) -> PromptKeys | None:
+    """The block keys the entries carry from routing, so the client does not hash the prompts
+    again (issue 20). Keys in another space than the first carrier's (a rolling config change) and
+    entries without keys go as None: the client hashes those."""
+    space = next((i.key_space for i in items if i.keys is not None), None)
+    if space is None:
+        return None
+    return PromptKeys(space, [i.keys if i.key_space == space else None for i in items])
 
 
 def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:

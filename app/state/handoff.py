@@ -28,6 +28,22 @@ def unpack_tokens(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i4")
 
 
+def pack_keys(space: int, keys: Any) -> bytes:
+    """The routing block keys for the hand-off entry's `k` field: the key space's namespace seed
+    (`app.protocol.blocks.namespace_seed`) then every key, little-endian uint64 (8 bytes a block:
+    1/64 of the ids' bytes at block size 64). The owner hands them to the worker instead of
+    hashing the prompt again (issue 20)."""
+    return np.asarray([space, *keys], dtype="<u8").tobytes()
+
+
+def unpack_keys(raw: bytes) -> tuple[int, np.ndarray] | None:
+    """(namespace seed, keys) of a `k` field; None when absent or malformed (hash instead)."""
+    if len(raw) < 8 or len(raw) % 8:
+        return None
+    arr = np.frombuffer(raw, dtype="<u8")
+    return int(arr[0]), arr[1:]
+
+
 class Handoff:
     def __init__(self, store: StateStore) -> None:
         self.store = store
@@ -42,14 +58,23 @@ class Handoff:
         predicted_ms: float,
         max_len: int,
         time_scale: float = 1.0,
+        keys: bytes = b"",
     ) -> tuple[str | None, float, float]:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
         worker's queued predicted ms after this call, its ledger's owed ms now). `meta` travels
-        as one JSON field, the token ids as one binary field."""
+        as one JSON field, the token ids as one binary field, and `keys` (`pack_keys`, when
+        given) as a third."""
         res = await self.store.run_script(
             "handoff",
             [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)],
-            [max_len, f"{predicted_ms:.6f}", json.dumps(meta, separators=(",", ":")), ids, f"{time_scale:g}"],
+            [
+                max_len,
+                f"{predicted_ms:.6f}",
+                json.dumps(meta, separators=(",", ":")),
+                ids,
+                f"{time_scale:g}",
+                keys,
+            ],
         )
         entry = to_str(res[0])
         return (None if entry == "-1" else entry), float(to_str(res[1])), float(to_str(res[2]))

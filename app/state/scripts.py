@@ -262,8 +262,9 @@ end
 """
 
 # KEYS: queue STREAM, queued_ms STRING, ledger HASH; ARGV: max_len, predicted_ms, meta (JSON),
-# ids (packed int32), time_scale → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms}
-# refused at the queue bound (429 overloaded).
+# ids (packed int32), time_scale[, keys (packed uint64, `handoff.pack_keys`; '' or absent: none)]
+# → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms} refused at the queue bound (429
+# overloaded).
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
 # its snapshot is exactly what the queue holds (DESIGN §3 step 6); the ledger's owed time comes
 # back with it, so the origin's view of the worker is fresh as of this round trip, other
@@ -279,7 +280,12 @@ HANDOFF = (
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {-1, redis.call('GET', KEYS[2]) or '0', owed_ms()}
 end
-local id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
+local id
+if ARGV[6] and ARGV[6] ~= '' then
+  id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4], 'k', ARGV[6])
+else
+  id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
+end
 return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 """
 )
@@ -300,7 +306,7 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 # (embedded, standalone or Sentinel), not Redis Cluster — the setting turns it off there.
 # KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH.
 # ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
-#       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B
+#       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B[, keys (as HANDOFF)]
 # → {entry_id | -1, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a, queued_b,
 #    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
 HANDOFF_PICK = (
@@ -345,7 +351,12 @@ local k = 0
 if w == 2 then k = 3 end
 local q = tonumber(redis.call('GET', KEYS[2 + k]) or '0') + tonumber(ARGV[5 + w - 1])
 if q < 0 then q = 0 end
-local id = redis.call('XADD', KEYS[1 + k], '*', 'm', ARGV[3 + w - 1], 'ids', ARGV[2])
+local id
+if ARGV[20] and ARGV[20] ~= '' then
+  id = redis.call('XADD', KEYS[1 + k], '*', 'm', ARGV[3 + w - 1], 'ids', ARGV[2], 'k', ARGV[20])
+else
+  id = redis.call('XADD', KEYS[1 + k], '*', 'm', ARGV[3 + w - 1], 'ids', ARGV[2])
+end
 redis.call('SET', KEYS[2 + k], txt(q))
 if w == 2 then
   if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HSET', KEYS[7], 'prefill_worker', ARGV[19]) end
