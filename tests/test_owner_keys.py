@@ -24,6 +24,37 @@ def _prompt(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(32, 127, size=n, dtype=np.int32)
 
 
+async def test_both_handoff_scripts_carry_the_keys_field(redis_url: str, cluster: str) -> None:
+    """`HANDOFF` and `HANDOFF_PICK` (the gateway's default with FLEXLB_FRESH_PICK) write the keys
+    as the entry's `k` field on the queue they chose, and no `k` when given none."""
+    r = aioredis.from_url(redis_url)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    await st.load_scripts()
+    a, b = "prefill@127.0.0.1:1", "prefill@127.0.0.1:2"
+    raw = pack_keys(namespace_seed("flexlb-sim", "byte", 64), block_keys(_prompt(3, 200), 64))
+    try:
+        h = Handoff(st)
+        await h.append(a, {"rid": "x"}, b"ids", 1.0, 100, 1.0, raw)
+        await h.append(a, {"rid": "y"}, b"ids", 1.0, 100)
+        ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
+        ks += [keys.ledger(b), keys.request("none")]
+        # B's utility is far higher: the pick goes to B
+        terms = ["0", "0", "0", "1000", "0", "0", "1", "0", "0"]
+        for k in (raw, b""):
+            args = [100, b"ids", '{"w":"a"}', '{"w":"b"}', "1", "1", "1", "1", *terms, 1, b, k]
+            res = await st.run_script("handoff_pick", ks, args)
+            assert int(res[3]) == 2
+        on_a = [f.get(b"k") for _, f in await r.xrange(keys.queue(a))]
+        on_b = [f.get(b"k") for _, f in await r.xrange(keys.queue(b))]
+        assert on_a == [raw, None] and on_b == [raw, None]
+    finally:
+        left = await r.keys(f"{cluster}*")
+        if left:
+            await r.delete(*left)
+        await r.aclose()
+
+
 def test_keys_pack_and_parse_from_an_entry() -> None:
     """The `k` field round-trips; an entry without it (or a malformed one) parses with no keys."""
     keys = block_keys(_prompt(1, 64 * 4 + 3), 64)
