@@ -37,6 +37,8 @@ POLICIES = (
     "cost",  # the default: cost routing, window batching, SLO admission
     "cost@direct",
     "cost+fresh",  # the default with Policy.second_look on fresh load (simulator only for now)
+    "cost+shared",  # the default with speculative entries shared through the owner (simulator only)
+    "cost+fresh+shared",
     "prefix",
     "least_load",
     "round_robin",
@@ -75,35 +77,103 @@ def synthetic_workload(n: int = 6000, seed: int = 11, block_size: int = 512) -> 
     return Trace("synthetic_bursty", "mooncake", block_size, reqs)
 
 
+def chat_agent_workload(n: int = 6000, seed: int = 13, block_size: int = 512) -> Trace:
+    """Sessions of multi-turn chat and tool-using agents behind shared application prompts, the
+    shape production LLM traffic has and neither shipped trace isolates.
+
+    24 applications, Zipf(1.0)-popular, each with a system prompt (+ few-shot examples) of lognormal
+    length, median 1,200 tokens. 75 % of sessions are chats: 1 + geometric turns (mean 4), each
+    adding a user message (median 150 tokens) and the previous answer (median 250) to the history,
+    then a think time (exponential, mean 20 s). 25 % are agents: mean 8 steps, each adding the
+    previous action (median 80 tokens) and a tool result (median 600), 2 s apart (exponential).
+    Every prompt is the application prompt + the session's whole history, so a session's next
+    prompt extends its last one; sessions start as a Poisson process. Block keys are per
+    application for the blocks wholly inside its prompt and per session after. Parameters are
+    round figures of the published shapes (multi-turn chat ~3-5 turns, agents' long tool
+    outputs), not fitted to any result of this bench."""
+    rng = random.Random(seed)
+    apps = 24
+    weights = [1.0 / (a + 1) for a in range(apps)]
+    sys_len = [min(8000, max(64, int(rng.lognormvariate(math.log(1200), 0.8)))) for _ in range(apps)]
+    events: list[tuple[float, int, int, int, int]] = []  # (arrival ms, session, input, output, app)
+    t = 0.0
+    session = 0
+    while len(events) < n:
+        t += rng.expovariate(1.0) * 1000.0  # one session a second (the load scaling rescales it)
+        app = rng.choices(range(apps), weights)[0]
+        agent = rng.random() < 0.25
+        steps = 1 + int(rng.expovariate(1 / (7.0 if agent else 3.0)))
+        hist = 0
+        at = t
+        for k in range(steps):
+            if agent:
+                add = (int(rng.lognormvariate(math.log(80), 0.7)) if k else 0) + int(
+                    rng.lognormvariate(math.log(600), 1.0)
+                )
+                out = max(1, int(rng.lognormvariate(math.log(100), 0.7)))
+            else:
+                add = int(rng.lognormvariate(math.log(150), 1.0))
+                out = max(1, int(rng.lognormvariate(math.log(250), 0.7)))
+            hist += max(1, add)
+            events.append((at, session, sys_len[app] + hist, out, app))
+            hist += out  # the answer joins the history of the next turn
+            at += rng.expovariate(1 / (2.0 if agent else 20.0)) * 1000.0
+        session += 1
+    events.sort()
+    events = events[:n]
+    reqs: list[TraceRequest] = []
+    for i, (at, sid, il, ol, app) in enumerate(events):
+        shared = sys_len[app] // block_size  # blocks wholly inside the application prompt
+        nblocks = -(-il // block_size)  # + a partial last block, as Mooncake hashes it
+        blocks = tuple(((app + 1) << 40) | b if b < shared else ((sid + 1) << 20) | b for b in range(nblocks))
+        reqs.append(TraceRequest(i, at - events[0][0], il, ol, blocks))
+    return Trace("synthetic_chat_agents", "mooncake", block_size, reqs)
+
+
 def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
     out: dict[str, Trace] = {}
     for name in names:
-        tr = synthetic_workload() if name == "synthetic" else load_trace(TRACES / f"{name}.jsonl.gz", "auto")
+        if name == "synthetic":
+            tr = synthetic_workload()
+        elif name == "chat_agents":
+            tr = chat_agent_workload()
+        else:
+            tr = load_trace(TRACES / f"{name}.jsonl.gz", "auto")
         if max_requests and len(tr) > max_requests:
             tr = Trace(tr.name, tr.format, tr.block_size, tr.requests[:max_requests])
         out[name] = tr
     return out
 
 
+SUFFIXES = {"+fresh": "fresh_pick", "+shared": "shared_speculative"}
+
+
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
-    """``NAME[@BATCHING][+fresh]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick` (its
-    `Policy.second_look` on fresh shared load; not in the live gateway yet)."""
+    """``NAME[@BATCHING][+fresh][+shared]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick`
+    (its `Policy.second_look` on fresh shared load), ``+shared`` with
+    `SimConfig.shared_speculative` (speculative cache entries published through the owner to
+    every replica); neither is in the live gateway yet."""
     out = []
     for n in names:
-        base = n.removesuffix("+fresh")
+        base = n
+        for suf in SUFFIXES:
+            base = base.replace(suf, "")
         strategy, _, batching = base.partition("@")
         out.append(PolicySpec(n, strategy, batching or "window"))
     return out
 
 
+def _flags(name: str) -> tuple[str, ...]:
+    return tuple(f for suf, f in SUFFIXES.items() if suf in name)
+
+
 def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
-    """Each spec's summary; the ``+fresh`` ones in a run of their own with fresh_pick on."""
+    """Each spec's summary; those with suffixes in runs of their own with those flags on."""
     out: dict[str, dict[str, Any]] = {}
-    for fresh in (False, True):
-        group = [p for p in todo if p.name.endswith("+fresh") == fresh]
-        if group:
-            cfg_g = replace(cfg, fresh_pick=True) if fresh else cfg
-            out.update(run_simulation(tr, cfg_g, group).policies)
+    for flags in sorted({_flags(p.name) for p in todo}):
+        group = [p for p in todo if _flags(p.name) == flags]
+        cfg_g = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        out.update(run_simulation(tr, cfg_g, group).policies)
     return {p.name: out[p.name] for p in todo}
 
 
@@ -166,7 +236,7 @@ def fmt_ms(v: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic")
+    ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic,chat_agents")
     ap.add_argument("--loads", default=",".join(str(x) for x in LOADS))
     ap.add_argument("--replicas", default="1,4")
     ap.add_argument("--policies", default=",".join(POLICIES))

@@ -215,3 +215,35 @@ def test_prefill_only_requests_unpin_their_kv_at_once() -> None:
         if kind == _RELEASE:
             sim.peng[a].release(b, _t)
     assert all(not e.pinned_ids() for e in sim.peng)
+
+
+def _two_turns(gap_ms: float) -> Trace:
+    """Two prompts sharing an 8-block prefix, the second ``gap_ms`` after the first: with two
+    replicas, request i is routed by replica i % 2."""
+    from app.traces.model import TraceRequest
+
+    prefix = tuple(range(1, 9))
+    reqs = [
+        TraceRequest(0, 0.0, 8 * 64 + 10, 1, (*prefix, 100)),
+        TraceRequest(1, gap_ms, 12 * 64 + 10, 1, (*prefix, 200, 201, 202, 203, 204)),
+    ]
+    return Trace("two_turns", "mooncake", 64, reqs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_speculative_entries_let_another_replica_follow_an_uncached_prefix(seed: int) -> None:
+    # Replica 1 routes the follow-up 3 ms after replica 0 routed the first prompt: the prefix is
+    # not cached yet (the first prefill is still queued or running) and no poll has reported it.
+    # Published through the owner at its read of the hand-off, replica 1's mirror holds a
+    # speculative entry and the follow-up goes to the same worker, which has cached the prefix by
+    # the time it runs. Without it, replica 1 routes blind: on 8 idle workers it lands elsewhere.
+    t = _two_turns(3.0)
+    cached = {}
+    for shared in (False, True):
+        cfg = SimConfig(prefill=8, decode=1, replicas=2, seed=seed, shared_speculative=shared)
+        sim = ClusterSim(t, cfg, "cost", batcher_config("window", 3000.0))
+        recs = sim.run().records
+        assert all(r.error is None for r in recs)
+        cached[shared] = (sim.reqs[1].cached, sim.reqs[0].prefill == sim.reqs[1].prefill)
+    assert cached[True] == (8 * 64, True)
+    assert cached[False] == (0, False)
