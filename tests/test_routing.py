@@ -107,7 +107,7 @@ def test_cost_keeps_the_prefix_against_a_backlog_within_the_latency_budget() -> 
 def test_cost_leaves_a_busy_cache_holder_past_the_latency_budget() -> None:
     # A owes 1,200 ms and has 150 ms queued: it would finish at 1,406.4 ms, 406.4 past the budget:
     # cost(A) = 0.25 * 1406.4 + 0.75 * 406.4 - 307.2 = 349.2 > cost(B) = 0.25 * 210 = 52.5 (+ the
-    # 20 band): past the budget a backlog costs full price and the idle worker wins.
+    # 5.25 band): past the budget a backlog costs full price and the idle worker wins.
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=1200.0, queued_ms=150.0), pw("B")]
     choice = cost_policy(LINEAR).choose(q, workers, rng())
@@ -118,11 +118,11 @@ def test_cost_leaves_a_busy_cache_holder_past_the_latency_budget() -> None:
 
 
 def test_cost_near_tie_between_holder_and_idle_worker() -> None:
-    # A owes 1,065 ms: it finishes at 1,121.4, cost(A) = 1121.4 - 750 - 307.2 = 64.2, cost(B) = 52.5,
-    # within max(0.1 * 52.5, 20) = 20 -> both are candidates, and within the band the cache holder
-    # keeps the prompt (cache affinity).
+    # A owes 1,056 ms: it finishes at 1,112.4, cost(A) = 1112.4 - 750 - 307.2 = 55.2, cost(B) = 52.5,
+    # within max(0.1 * 52.5, 20 * 0.25) = 5.25 (the band is in utility: 20 ms of finish time below
+    # the budget) -> both are candidates, and within the band the cache holder keeps the prompt.
     q = pq(2000, {"A": 6})
-    workers = [pw("A", owed_ms=1065.0), pw("B")]
+    workers = [pw("A", owed_ms=1056.0), pw("B")]
     assert set(picks(cost_policy(LINEAR), q, workers, seed=1, n=200)) == {"A"}
     # With ties switched off the strict minimum wins every time.
     strict = cost_policy(LINEAR, tie_pct=0.0, tie_abs=0.0)

@@ -132,9 +132,10 @@ def test_large_fleet_shortlist_runs() -> None:
     recs = ClusterSim(t, cfg, "cost", bc).run().records
     assert sum(r.error is None for r in recs) == 600
     assert sum(r.cached_tokens for r in recs) > 0
-    # Spread over the fleet: every one of the 30 prefix groups gets a worker of its own (cost keeps
-    # a group on its holder while the holder's backlog is within twice what the prefix saves).
-    assert len({r.prefill_worker for r in recs}) >= 30
+    # Spread over the fleet, not herded onto a few workers: the 30 prefix groups land on about as
+    # many workers (30 when finish time cost full price below the latency budget, 29 since `cost`
+    # keeps a group on its holder against up to 9x its saving within the budget).
+    assert len({r.prefill_worker for r in recs}) >= 28
 
 
 def test_fast_match_equals_live_mirror() -> None:
