@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.sim.config import SimConfig
 from app.sim.run import PolicySpec, prepare_trace, run_simulation
 from app.traces import Trace, TraceRequest, load_trace
+from app.traces.bounds import _lru_hits
 
 TRACES = Path("/work/shared/traces")
 LOADS = (0.5, 0.7, 1.0, 1.2, 1.5, 2.0)
@@ -234,6 +235,58 @@ def fmt_ms(v: float | None) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"
 
 
+def ceiling(tr: Trace, cfg: SimConfig, pols: list[PolicySpec]) -> dict[str, float]:
+    """How much prefill work cache reuse can save: Σ predict(L, hit) ÷ Σ predict(L, 0) with the
+    hits of the full-block pooled-LRU bound (``bound``: no router over this memory can do better)
+    and with each policy's routed hits (its served requests; the same ratio of cold work).
+
+    A policy's capacity ÷ another's cannot exceed the inverse ratio of their prefill work unless
+    the other also balances its queues worse: with equal balance, work/bound of the baseline is
+    the most any cache-aware routing can gain over it."""
+    f = cfg.gateway_formula()
+    bs = tr.block_size
+    lru = _lru_hits(tr, cfg.prefill * cfg.engine_profile().kv_capacity_tokens)
+    cold = [f.predict_one(r.input_len, 0) for r in tr.requests]
+    bound = [
+        f.predict_one(r.input_len, min(h * bs, r.input_len)) for h, r in zip(lru, tr.requests, strict=True)
+    ]
+    out = {"bound": sum(bound) / sum(cold)}
+    for p in pols:
+        flags = _flags(p.name)
+        cfg_p = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        recs = run_simulation(tr, cfg_p, [p]).records[p.name]
+        served = [(r, c) for r, c in zip(recs, cold, strict=True) if r.ttft_ms is not None]
+        work = sum(f.predict_one(r.input_tokens, r.cached_tokens) for r, _ in served)
+        out[p.name] = work / sum(c for _, c in served) if served else float("nan")
+    return out
+
+
+def run_ceiling(args: argparse.Namespace) -> int:
+    """``--ceiling``: the prefill-work table (see `ceiling`) per workload, replica count and load."""
+    pols = specs(args.policies.split(","))
+    lines = [
+        "| workload | replicas | load | bound work | "
+        + " | ".join(f"{p.name} work" for p in pols)
+        + " | "
+        + " | ".join(f"{p.name} ÷ bound" for p in pols)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * (2 * len(pols)),
+    ]
+    for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
+        for nrep in (int(x) for x in args.replicas.split(",")):
+            cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+            for load in (float(x) for x in args.loads.split(",")):
+                tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
+                c = ceiling(tr, cfg, pols)
+                cells = [f"{c[p.name]:.3f}" for p in pols] + [f"{c[p.name] / c['bound']:.3f}" for p in pols]
+                lines.append(
+                    f"| {tname} | {nrep} | {load:g} | {c['bound']:.3f} | " + " | ".join(cells) + " |"
+                )
+                print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic,chat_agents")
@@ -248,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the --repeat policies (averaged)")
     ap.add_argument("--repeat", default="cost,cost@direct", help="policies run with every seed")
     ap.add_argument("--render", default=None, help="only render this cliff.json as markdown")
+    ap.add_argument("--ceiling", action="store_true", help="only the prefill-work ceiling table")
     args = ap.parse_args(argv)
+    if args.ceiling:
+        return run_ceiling(args)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
