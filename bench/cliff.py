@@ -27,7 +27,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.sim.config import SimConfig
+from app.protocol.blocks import hit_blocks_cap
+from app.sim.cluster import ClusterSim
+from app.sim.config import SimConfig, batcher_config
 from app.sim.run import PolicySpec, prepare_trace, run_simulation
 from app.traces import Trace, TraceRequest, load_trace
 from app.traces.bounds import _lru_hits
@@ -287,6 +289,84 @@ def run_ceiling(args: argparse.Namespace) -> int:
     return 0
 
 
+class _LostHits(ClusterSim):
+    """`ClusterSim` that notes, at each routing, how many leading blocks every prefill engine
+    really holds and what the routing replica's mirror said (for ``--lost``)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.seen: dict[int, tuple[list[int], dict[str, int]]] = {}
+
+    def _arrival(self, i: int) -> None:
+        r = self.trace.requests[i]
+        keys = self.trace.full_block_keys(r)
+        cap = hit_blocks_cap(r.input_len, self.bs)
+        true = [min(e.cache.match_prefix(keys), cap) if keys else 0 for e in self.peng]
+        rep = self.replicas[i % self.cfg.replicas]
+        self.seen[i] = (true, dict(rep.prefill_query(r.input_len, keys, self.now).hit_blocks))
+        super()._arrival(i)
+
+
+def lost_hits(tr: Trace, cfg: SimConfig, policy: str) -> dict[str, float]:
+    """Where a policy's routed hits fall short of the pooled-LRU bound, per served request, as
+    shares of the bound's tokens: ``routed_away_known`` (a worker held more of the prompt at
+    routing, the replica's mirror knew, the policy chose another), ``routed_away_unseen`` (held,
+    the mirror did not know), ``nobody_held`` (no engine held it yet: its earlier prompt still in
+    flight, or evicted), ``evicted_in_queue`` (the chosen worker held it at routing, not at start)."""
+    lru = _lru_hits(tr, cfg.prefill * cfg.engine_profile().kv_capacity_tokens)
+    sim = _LostHits(tr, cfg, policy, batcher_config("window", cfg.slo_ttft_ms))
+    sim.run()
+    bs = tr.block_size
+    lost: dict[str, float] = dict.fromkeys(
+        ("routed_away_known", "routed_away_unseen", "nobody_held", "evicted_in_queue", "other"), 0.0
+    )
+    bound = got = 0
+    for r, h in zip(tr.requests, lru, strict=True):
+        st = sim.reqs[r.index]
+        if st.prefill < 0 or st.t_first is None:
+            continue
+        b = min(h * bs, r.input_len)
+        bound += b
+        got += st.cached
+        if b <= st.cached:
+            continue
+        true, view = sim.seen[r.index]
+        held, mine = max(true) * bs, true[st.prefill] * bs
+        if held < b:
+            k = "nobody_held"
+        elif mine < held:
+            known = max(view.values(), default=0) * bs >= held
+            k = "routed_away_known" if known else "routed_away_unseen"
+        elif st.cached < mine:
+            k = "evicted_in_queue"
+        else:
+            k = "other"
+        lost[k] += b - st.cached
+    out = {k: v / bound for k, v in lost.items()} if bound else lost
+    out["hit_of_bound"] = got / bound if bound else float("nan")
+    return out
+
+
+def run_lost(args: argparse.Namespace) -> int:
+    """``--lost``: `lost_hits` of each policy per workload, replica count and load."""
+    for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
+        for nrep in (int(x) for x in args.replicas.split(",")):
+            for p in specs(args.policies.split(",")):
+                flags = _flags(p.name)
+                cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+                cfg = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+                for load in (float(x) for x in args.loads.split(",")):
+                    tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
+                    d = lost_hits(tr, cfg, p.strategy)
+                    parts = ", ".join(f"{k} {100 * v:.1f}" for k, v in d.items() if k != "hit_of_bound")
+                    print(
+                        f"{tname} r={nrep} load={load:g} {p.name}: hit/bound {d['hit_of_bound']:.3f};"
+                        f" lost (% of bound): {parts}",
+                        flush=True,
+                    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic,chat_agents")
@@ -302,9 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", default="cost,cost@direct", help="policies run with every seed")
     ap.add_argument("--render", default=None, help="only render this cliff.json as markdown")
     ap.add_argument("--ceiling", action="store_true", help="only the prefill-work ceiling table")
+    ap.add_argument("--lost", action="store_true", help="only where routed hits fall short of the bound")
     args = ap.parse_args(argv)
     if args.ceiling:
         return run_ceiling(args)
+    if args.lost:
+        return run_lost(args)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0
