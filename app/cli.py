@@ -212,6 +212,7 @@ def gateway(
         lifespan="on",
         timeout_graceful_shutdown=10,
         access_log=settings.access_log,
+        timeout_keep_alive=settings.http_keepalive_s,
     )
     try:
         DrainingServer(config, app_.state.replica, settings.drain_timeout_s, others).run(sockets=sockets)

@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     )
     prefill_time_formula: str | None = Field(None, description="prefill ms formula; unset → default")
     max_queue_len: int = Field(1024, description="hand-off queue bound per prefill worker (429 beyond)")
+    fresh_pick: bool = Field(
+        True,
+        description="hand-off picks between the policy's top two on live queued/owed ms (one Redis primary)",
+    )
     admission: str = Field(
         "slo", description="slo: 429 slo_unattainable when the predicted TTFT misses the deadline; off"
     )
@@ -98,6 +102,12 @@ class Settings(BaseSettings):
     )
     gateway_procs: int = Field(1, ge=1, le=256, description="serving processes on the port (SO_REUSEPORT)")
     access_log: bool = Field(False, description="uvicorn's access line per HTTP request")
+    # uvicorn's default (5 s) equals httpx's keep-alive expiry and is below a load balancer's idle
+    # timeout (60 s is common): a client that reuses a connection the server is closing at that
+    # instant gets a connection error for a request the gateway never saw (the soak's ReadErrors).
+    http_keepalive_s: float = Field(
+        75.0, gt=0, description="idle HTTP keep-alive connections are closed after this many seconds"
+    )
 
     def admission_config(self) -> AdmissionConfig:
         """The origin's SLO admission knobs, shared with the simulator (`SimConfig.admission`)."""

@@ -180,6 +180,11 @@ PREFILL_RETRIES = Counter(
     "Requests re-routed once because their prefill batch failed before the worker accepted it",
     registry=REGISTRY,
 )
+FRESH_PICK_MOVED = Counter(
+    "flexlb_fresh_pick_moved_total",
+    "Hand-offs that went to the policy's runner-up, ranked above its pick on live load (FLEXLB_FRESH_PICK)",
+    registry=REGISTRY,
+)
 
 LEDGER_LATE_SETTLED = Counter(
     "flexlb_ledger_late_settled_total",

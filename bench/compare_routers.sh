@@ -22,6 +22,11 @@ SLO_MS=${SLO_MS:-2000}
 SYSTEMS=${SYSTEMS:-"flexlb-cost flexlb-rr sglang vllm"}
 OUT=${OUT:-$ROOT/bench/results/compare-$(date +%Y%m%d-%H%M%S)}
 PEER_PKGS=${PEER_PKGS:-"sglang-router==0.3.2 vllm-router==0.1.17"}
+# Extra router flags (word-split), e.g. PEER_ARGS="--prefill-policy cache_aware --decode-policy round_robin"
+# or VLLM_ARGS="--cache-threshold 0.5 --balance-abs-threshold 32 --balance-rel-threshold 1.1"
+PEER_ARGS=${PEER_ARGS:-}
+SGLANG_ARGS=${SGLANG_ARGS:-}
+VLLM_ARGS=${VLLM_ARGS:-}
 TOKEN=compare-$$
 mkdir -p "$OUT/logs"
 
@@ -128,14 +133,15 @@ run_peer() {  # run_peer sglang|vllm
     if [ "$kind" = sglang ]; then read -r u b <<<"$p"; args+=(--prefill "$u" "$b"); else args+=(--prefill "${p%% *}"); fi
   done
   for p in "${FACADE_D[@]}"; do args+=(--decode "$p"); done
+  # shellcheck disable=SC2086  # PEER_ARGS, SGLANG_ARGS and VLLM_ARGS are flag lists: split on purpose
   if [ "$kind" = sglang ]; then
     .venv-peers/bin/sglang-router launch --host 127.0.0.1 --port "$port" --pd-disaggregation "${args[@]}" \
       --policy cache_aware --max-concurrent-requests 4096 --queue-size 4096 --request-timeout-secs 600 \
-      --log-level warn >"$OUT/logs/sglang-router.log" 2>&1 &
+      --log-level warn $PEER_ARGS $SGLANG_ARGS >"$OUT/logs/sglang-router.log" 2>&1 &
   else
     .venv-peers/bin/vllm-router --host 127.0.0.1 --port "$port" --vllm-pd-disaggregation "${args[@]}" \
       --policy cache_aware --max-concurrent-requests 4096 --queue-size 4096 --request-timeout-secs 600 \
-      --log-level warning >"$OUT/logs/vllm-router.log" 2>&1 &
+      --log-level warning $PEER_ARGS $VLLM_ARGS >"$OUT/logs/vllm-router.log" 2>&1 &
   fi
   PIDS+=($!)
   wait_http "http://127.0.0.1:$port/v1/models" 60 || wait_http "http://127.0.0.1:$port/health" 30

@@ -48,7 +48,9 @@ def test_registered_as_pickers_and_policies() -> None:
 
 
 def test_cache_aware_follows_its_own_tree_and_balances_in_flight() -> None:
-    pol = make_prefill_policy("sglang_cache_aware")
+    # The balance rule where the router sees its in-flight counts (vllm-router does in P/D mode;
+    # sglang-router 0.3.2 does not, see the next test).
+    pol = make_prefill_policy("sglang_cache_aware", sees_load=True)
     rng = random.Random(1)
     keys = (11, 12, 13, 14)
     q = PrefillQuery(4 * 64 + 10, {}, 64, keys)
@@ -64,6 +66,35 @@ def test_cache_aware_follows_its_own_tree_and_balances_in_flight() -> None:
     n = pol.picker.inflight[first]  # type: ignore[attr-defined]
     pol.finished(first, q)
     assert pol.picker.inflight[first] == n - 1  # type: ignore[attr-defined]
+
+
+def test_cache_aware_below_the_threshold_goes_least_loaded_not_to_the_smallest_tree() -> None:
+    """As measured against the live routers (docs/benchmarks.md, peer imitations validated): a
+    prompt matching at most `cache_threshold` of its characters goes to the least-loaded worker.
+    vllm-router takes the first of a tie, so on an idle cluster every new prefix lands on the first
+    worker; sglang-router 0.3.2 in P/D mode sees no in-flight counts and draws one at random —
+    neither goes to the smallest tree (which would alternate here)."""
+    new = [PrefillQuery(10 * 64, {}, 64, tuple(range(100 * i, 100 * i + 10))) for i in range(40)]
+    vllm = make_prefill_policy("vllm_cache_aware")
+    rng = random.Random(3)
+    picks = []
+    for q in new:
+        w = vllm.choose(q, workers(2), rng).worker_id
+        picks.append(w)
+        vllm.finished(w, q)  # sequential: nothing in flight at the next one
+    assert set(picks) == {"p0"}
+    sg = make_prefill_policy("sglang_cache_aware")
+    picks = [sg.choose(q, workers(2), rng).worker_id for q in new]  # never finished: in flight
+    assert 10 <= picks.count("p0") <= 30, picks  # load-blind: drawn, not balanced, not one worker
+    # The match rate is over the prompt's characters (tokens here), its unhashed tail included:
+    # 1 of 3 full blocks plus a 63-token tail is 64 / 255 = 0.25, below 0.3 (1 / 3 blocks was not).
+    away = 0
+    for seed in range(20):
+        pol, r = make_prefill_policy("sglang_cache_aware"), random.Random(seed)
+        home = pol.choose(PrefillQuery(64, {}, 64, (1,)), workers(2), r).worker_id
+        assert pol.choose(PrefillQuery(64 + 10, {}, 64, (1,)), workers(2), r).worker_id == home
+        away += pol.choose(PrefillQuery(3 * 64 + 63, {}, 64, (1, 7, 8)), workers(2), r).worker_id != home
+    assert 3 <= away <= 17, away
 
 
 def test_dynamo_counts_its_in_flight_prefill_blocks() -> None:

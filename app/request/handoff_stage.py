@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -14,6 +15,7 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import hit_blocks_cap
 from app.request.context import RequestContext
+from app.request.routing_inputs import FreshPair
 from app.request.types import ENGINE_TO_API, TERMINAL, GenRequest, NotStarted, Progress, StoredOutcome
 from app.scheduling.routing import (
     DecodeQuery,
@@ -22,6 +24,24 @@ from app.scheduling.routing import (
 from app.state.handoff import pack_tokens
 from app.state.store import request_fields
 from app.state.text import to_str as _s
+
+
+@dataclass(frozen=True, slots=True)
+class _PairArgs:
+    """The runner-up's side of a `HANDOFF_PICK`: its entry fields (JSON) and predicted ms."""
+
+    pair: FreshPair
+    meta_json: str
+    predicted: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Picked:
+    """`HANDOFF_PICK`'s answer: 0 the policy's pick, 1 the runner-up; each one's live (queued ms,
+    owed ms) as the script read them (the winner's queued ms with this hand-off in it)."""
+
+    index: int
+    loads: tuple[tuple[float, float], tuple[float, float]]
 
 
 class HandoffStage(RequestContext):
@@ -82,11 +102,18 @@ class HandoffStage(RequestContext):
         return fields
 
     async def _record_and_append(
-        self, req: GenRequest, p: Progress, wid: str, meta: dict[str, Any], predicted: float
-    ) -> tuple[str | None, float, float, int]:
+        self,
+        req: GenRequest,
+        p: Progress,
+        wid: str,
+        meta: dict[str, Any],
+        predicted: float,
+        pair: _PairArgs | None = None,
+    ) -> tuple[str | None, float, float, int, _Picked | None]:
         """`_record` and the hand-off in ONE pipeline (DESIGN §3: the origin's only serial round
         trip), for ids the gateway generated. Returns (entry id or None when the queue is full,
-        queued ms, owed ms, decode hold: 1 new / 0 refused / -1 no decode)."""
+        queued ms, owed ms, decode hold: 1 new / 0 refused / -1 no decode, and with ``pair`` what
+        `HANDOFF_PICK` chose: the hand-off went to ``wid`` or to the pair's runner-up)."""
         rid = req.request_id
         p.prefill_worker = wid
         fields = self._record_fields(req, p)
@@ -109,21 +136,24 @@ class HandoffStage(RequestContext):
         ]
         if dec:
             cmds.append(["EVALSHA", sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap])
-        cmds.append(
-            [
-                "EVALSHA",
-                sha("handoff"),
-                3,
-                self.keys.queue(wid),
-                self.keys.queued_ms(wid),
-                self.keys.ledger(wid),
-                self.settings.max_queue_len,
-                f"{predicted:.6f}",
-                meta_json,
-                ids,
-                f"{self._scale(wid):g}",
-            ]
-        )
+        if pair is None:
+            cmds.append(
+                [
+                    "EVALSHA",
+                    sha("handoff"),
+                    3,
+                    self.keys.queue(wid),
+                    self.keys.queued_ms(wid),
+                    self.keys.ledger(wid),
+                    self.settings.max_queue_len,
+                    f"{predicted:.6f}",
+                    meta_json,
+                    ids,
+                    f"{self._scale(wid):g}",
+                ]
+            )
+        else:
+            cmds.append(self._pick_command(rid, wid, meta_json, predicted, ids, pair))
         # Whatever applied before a failure must be cleaned up as if handed off.
         p.stage = "handed_off"
         try:
@@ -135,11 +165,72 @@ class HandoffStage(RequestContext):
             await self.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
         held = int(res[2]) if dec else -1
-        entry, queued, owed = _s(res[-1][0]), float(_s(res[-1][1])), float(_s(res[-1][2]))
+        out = res[-1]
+        entry, queued, owed = _s(out[0]), float(_s(out[1])), float(_s(out[2]))
+        picked = None
+        if pair is not None:
+            loads = [float(_s(x)) for x in out[4:8]]
+            picked = _Picked(int(out[3]) - 1, ((loads[0], loads[1]), (loads[2], loads[3])))
         if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
             p.stage = "recorded"
-            return None, queued, owed, held
-        return entry, queued, owed, held
+            return None, queued, owed, held, picked
+        return entry, queued, owed, held, picked
+
+    def _pick_command(
+        self, rid: str, wid: str, meta_json: str, predicted: float, ids: bytes, pair: _PairArgs
+    ) -> list[Any]:
+        """The `HANDOFF_PICK` EVALSHA: ``wid`` (the policy's pick) against the pair's runner-up."""
+        alt = pair.pair.alt.worker_id
+        (a0, aq, ao), (b0, bq, bo) = pair.pair.terms
+        return [
+            "EVALSHA",
+            self.store.sha("handoff_pick"),
+            7,
+            self.keys.queue(wid),
+            self.keys.queued_ms(wid),
+            self.keys.ledger(wid),
+            self.keys.queue(alt),
+            self.keys.queued_ms(alt),
+            self.keys.ledger(alt),
+            self.keys.request(rid),
+            self.settings.max_queue_len,
+            ids,
+            meta_json,
+            pair.meta_json,
+            f"{predicted:.6f}",
+            f"{pair.predicted:.6f}",
+            f"{self._scale(wid):g}",
+            f"{self._scale(alt):g}",
+            *(repr(float(x)) for x in (a0, aq, ao, b0, bq, bo)),
+            repr(float(pair.pair.sign)),
+            repr(float(pair.pair.tie_pct)),
+            repr(float(pair.pair.tie_abs)),
+            pair.pair.winner + 1,
+            alt,
+        ]
+
+    def _queued_base(self, wid: str) -> float:
+        """``wid``'s queued ms as this origin counts it: its overlay while newer than the snapshot."""
+        ov = self.fleet.queued_overlay.get(wid)
+        if ov is not None and ov[1] >= self.fleet.snapshot_time.get(wid, 0.0):
+            return ov[0]
+        return float(self.fleet.snapshots.get(wid, {}).get("queued_ms", 0.0) or 0.0)
+
+    def _take_pick(
+        self, p: Progress, wid: str, base: float, predicted: float, args: _PairArgs, picked: _Picked
+    ) -> tuple[str, float, int]:
+        """What `HANDOFF_PICK` read and chose, taken in: both workers' live load on this origin's
+        overlays, and the request's worker, prediction and hit from the winner's choice."""
+        now = time.time()
+        choice = args.pair.choice(picked.index)
+        for c, (queued, owed) in zip((args.pair.first, args.pair.alt), picked.loads, strict=True):
+            self.fleet.queued_overlay[c.worker_id] = (queued, now)
+            self.owed_overlay[c.worker_id] = (owed, now)
+        if picked.index == 0:
+            return wid, predicted, args.pair.first.hit_tokens
+        M.FRESH_PICK_MOVED.inc()
+        p.prefill_worker = choice.worker_id
+        return choice.worker_id, args.predicted, choice.hit_tokens
 
     async def _round_trip(self, cmds: list[list[Any]], req: GenRequest | None = None) -> list[Any]:
         """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
@@ -183,29 +274,13 @@ class HandoffStage(RequestContext):
             refused.add(dec.worker_id)
         return False
 
-    async def _prefill(
-        self,
-        req: GenRequest,
-        p: Progress,
-        wid: str,
-        predicted: float,
-        keys: list[int],
-        bs: int,
-        hit_tokens: int = 0,
-    ) -> dict[str, str]:
-        rid = req.request_id
-        # The queue's counter gains exactly what the entry says (`pred`, 3 decimals), which is what
-        # the owner takes off at commit: 6 decimals here left ~0.0005 ms per request behind, a
-        # drift the reconciler measured at 0.011 ms after 600 requests.
-        predicted = round(predicted, 3)
-        p.prefill_worker = wid
-        p.handoffs += 1
-        attempt = p.handoffs
-        self.replies.forget(rid)  # a late reply to an earlier hand-off must not answer this one
-        fut = self.replies.expect(rid)
+    def _meta(
+        self, req: GenRequest, p: Progress, wid: str, predicted: float, hit_tokens: int, attempt: int
+    ) -> dict[str, Any]:
+        """The hand-off entry's fields for ``wid`` (the owner's batcher and reply read them)."""
         deadline = time.time() * 1000 + req.timeout_ms
-        meta = {
-            "rid": rid,
+        meta: dict[str, Any] = {
+            "rid": req.request_id,
             "origin": self.replica_id,
             "pred": round(predicted, 3),
             "deadline": round(deadline),
@@ -224,23 +299,64 @@ class HandoffStage(RequestContext):
         meta.update({"pr": req.priority} if req.priority != 1 else {})  # the owner's batch order
         if req.sampling:
             meta["smp"] = req.sampling
+        return meta
+
+    async def _prefill(
+        self,
+        req: GenRequest,
+        p: Progress,
+        wid: str,
+        predicted: float,
+        keys: list[int],
+        bs: int,
+        hit_tokens: int = 0,
+        pair: FreshPair | None = None,
+    ) -> dict[str, str]:
+        """Hand the prompt to ``wid``'s owner and wait for its reply. With ``pair`` (a fresh id
+        and FLEXLB_FRESH_PICK) the hand-off script chooses between ``wid`` and the pair's
+        runner-up on both workers' live load, in the same round trip (`HANDOFF_PICK`)."""
+        rid = req.request_id
+        # The queue's counter gains exactly what the entry says (`pred`, 3 decimals), which is what
+        # the owner takes off at commit: 6 decimals here left ~0.0005 ms per request behind, a
+        # drift the reconciler measured at 0.011 ms after 600 requests.
+        predicted = round(predicted, 3)
+        p.prefill_worker = wid
+        p.handoffs += 1
+        attempt = p.handoffs
+        self.replies.forget(rid)  # a late reply to an earlier hand-off must not answer this one
+        fut = self.replies.expect(rid)
+        meta = self._meta(req, p, wid, predicted, hit_tokens, attempt)
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         # Counted on our overlay before the round trip: requests routed meanwhile on this replica
         # (a burst) see it, rather than all ranking and admitting against the same queue.
-        ov = self.fleet.queued_overlay.get(wid)
-        base = ov[0] if ov is not None and ov[1] >= self.fleet.snapshot_time.get(wid, 0.0) else None
-        if base is None:
-            base = float(self.fleet.snapshots.get(wid, {}).get("queued_ms", 0.0) or 0.0)
+        base = self._queued_base(wid)
         self.fleet.queued_overlay[wid] = (base + predicted, time.time())
         held = -1
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
+            args = None
+            if pair is not None and pair.first.worker_id == wid:
+                alt = pair.alt
+                alt_pred = round(alt.predicted_ms, 3)
+                alt_meta = self._meta(req, p, alt.worker_id, alt_pred, alt.hit_tokens, attempt)
+                args = _PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred)
             try:
-                entry, queued, owed, held = await self._record_and_append(req, p, wid, meta, predicted)
+                entry, queued, owed, held, picked = await self._record_and_append(
+                    req, p, wid, meta, predicted, args
+                )
             except ApiError:  # refused by the tenant's limit: nothing was queued
                 self.replies.forget(rid)
                 self.fleet.queued_overlay[wid] = (base, time.time())
                 raise
+            except BaseException:
+                if args is not None:  # the script may have chosen the runner-up: it must not run
+                    other = args.pair.alt.worker_id
+                    await self.terminal.run_or_queue(
+                        f"tombstone {rid}", lambda: self.store.tombstone(other, rid, 60_000)
+                    )
+                raise
+            if picked is not None and args is not None:
+                wid, predicted, hit_tokens = self._take_pick(p, wid, base, predicted, args, picked)
         else:
             entry, queued, owed = await self.handoff.append(
                 wid,

@@ -136,7 +136,7 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
             keys = block_keys(arr, bs, model=self.settings.model, tokenizer=self.tokenizer.name)
             now_s = time.time()
             pviews = self.views("prefill", now_s)
-            pchoice = self.choose_prefill(n_in, keys, bs, pviews, now_s)
+            pchoice, pair = self.choose_prefill_pair(n_in, keys, bs, pviews, now_s)
         except NoWorker as exc:
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
@@ -146,7 +146,7 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
         for attempt in range(2):
             try:
                 reply = await self._prefill(
-                    req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens
+                    req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens, pair
                 )
             except NotStarted as ns:
                 # The whole batch failed before the worker accepted it: nothing ran, so the
@@ -154,7 +154,7 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
                 if retried:
                     raise ns.error from None
                 retried = True
-                others = [v for v in self.views("prefill") if v.id != pchoice.worker_id]
+                others = [v for v in self.views("prefill") if v.id != p.prefill_worker]
                 try:
                     pchoice = self.choose_prefill(n_in, keys, bs, others, time.time())
                 except NoWorker:

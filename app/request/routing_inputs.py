@@ -4,8 +4,9 @@ policies' choices over them. No I/O: the live-vs-simulator test drives these dir
 
 from __future__ import annotations
 
+import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from app import metrics as M
@@ -15,6 +16,8 @@ from app.request.types import GATEWAY_FLOOR_MS, GenRequest, Progress
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
+from app.scheduling.plugins.registry import Candidates
+from app.scheduling.policy import Policy
 from app.scheduling.routing import (
     Choice,
     DecodeQuery,
@@ -44,6 +47,97 @@ def _parse_view(wid: str, role: str, snap: dict[str, str], state: str | None) ->
         reserved_tokens=int(num("reserved_tokens")),
         running=int(num("running")),
         draining=state == "draining",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FreshPair:
+    """The policy's pick and its runner-up, for the hand-off script that chooses between them on
+    live load (`HANDOFF_PICK`, FLEXLB_FRESH_PICK; `Policy.second_look` is the simulator's twin).
+    ``terms[i]`` = (u0, per queued ms, per owed ms): candidate i's utility as a line in its live
+    load; ``winner`` (0 | 1) is whom the picker's tie-breakers (then its draw) give a near-tie."""
+
+    first: Choice
+    alt: Choice
+    terms: tuple[tuple[float, float, float], tuple[float, float, float]]
+    sign: float
+    tie_pct: float
+    tie_abs: float
+    winner: int
+
+    def choice(self, i: int) -> Choice:
+        return self.first if i == 0 else self.alt
+
+    def decide(self, loads: tuple[tuple[float, float], tuple[float, float]]) -> int:
+        """The script's decision (0 | 1) in Python, given each one's live (queued, owed) ms: the
+        tests hold the Lua to it."""
+        u = [t[0] + t[1] * q + t[2] * o for t, (q, o) in zip(self.terms, loads, strict=True)]
+        best = max(u)
+        slack = max(self.sign * best * self.tie_pct, self.tie_abs)
+        if all(x >= best - slack for x in u):
+            return self.winner
+        return 0 if u[0] >= u[1] else 1
+
+
+# d score / d queued ms (= d score / d owed ms) of the prefill scorers whose score is a line in a
+# worker's live load: `predicted_finish_ms` and `prefill_load_ms` add both, the others read
+# neither (their formulas: app/scheduling/plugins/scorers/README.md; tests/test_fresh_pick.py
+# holds each scorer to its slope). A policy with any other scorer gets no fresh pick.
+LOAD_SLOPE = {
+    "predicted_finish_ms": 1.0,
+    "prefill_load_ms": 1.0,
+    "prefill_saved_ms": 0.0,
+    "cache_hit_tokens": 0.0,
+}
+
+
+def _utilities(policy: Policy, q: PrefillQuery, c: Candidates) -> list[float]:
+    """``policy``'s weighted scorers summed over candidates ``c`` (its utilities, higher better)."""
+    out = [0.0] * len(c.workers)
+    for scorer, weight, sign in policy.scorers:
+        out = [u + sign * weight * v for u, v in zip(out, scorer.score(q, c), strict=True)]
+    return out
+
+
+def fresh_pair(
+    policy: Policy, q: PrefillQuery, views: list[WorkerView], first: Choice, rng: random.Random
+) -> FreshPair | None:
+    """The pair for `HANDOFF_PICK`, or None where the policy cannot be ranked in Redis: no scorers
+    or a picker other than ``best`` (load-blind: nothing to gain), a scorer not in `LOAD_SLOPE`,
+    one worker, no runner-up, or a filter that drops one of the two (filters run
+    once, at the snapshot's loads). Pure; draws the runner-up's and the tie's randomness from
+    ``rng`` as `Policy.second_look` does."""
+    picker = policy.picker
+    if not policy.scorers or picker.name != "best":
+        return None
+    if any(s.name not in LOAD_SLOPE for s, _, _ in policy.scorers):
+        return None
+    a = next((v for v in views if v.id == first.worker_id), None)
+    rest = [v for v in views if v.id != first.worker_id]
+    if a is None or not rest:
+        return None
+    try:
+        alt = policy.choose(q, rest, rng)
+    except NoWorker:
+        return None
+    b = next(v for v in rest if v.id == alt.worker_id)
+    c = policy.fit.apply(q, Candidates([a, b]))
+    for f in policy.filters:
+        c = f.apply(q, c)
+    if len(c.workers) != 2:
+        return None
+    now = _utilities(policy, q, c)
+    slope = sum(sign * weight * LOAD_SLOPE[s.name] for s, weight, sign in policy.scorers)
+    terms = [(now[i] - slope * (v.queued_ms + v.owed_ms), slope, slope) for i, v in enumerate((a, b))]
+    winner, _ = picker.pick(q, c, [0.0, 0.0], policy.sign, rng)  # both tied: its tie-breakers decide
+    return FreshPair(
+        first,
+        alt,
+        (terms[0], terms[1]),
+        policy.sign,
+        float(getattr(picker, "tie_pct", 0.0)),
+        float(getattr(picker, "tie_abs", 0.0)),
+        winner,
     )
 
 
@@ -94,6 +188,19 @@ class RoutingInputs(RequestContext):
         nothing, which the policies read as 0 blocks. Raises NoWorker."""
         hits = self.mirror.match_fast(keys, now_s * 1000)
         return self.runtime.prefill_strategy.choose(PrefillQuery(n_in, hits, bs), views, self.rng)
+
+    def choose_prefill_pair(
+        self, n_in: int, keys: list[int], bs: int, views: list[WorkerView], now_s: float
+    ) -> tuple[Choice, FreshPair | None]:
+        """`choose_prefill`, and with FLEXLB_FRESH_PICK the runner-up for the hand-off script to
+        weigh against it on live load (`fresh_pair`). Pure. Raises NoWorker."""
+        hits = self.mirror.match_fast(keys, now_s * 1000)
+        q = PrefillQuery(n_in, hits, bs)
+        policy = self.runtime.prefill_strategy
+        first = policy.choose(q, views, self.rng)
+        if not self.settings.fresh_pick:
+            return first, None
+        return first, fresh_pair(policy, q, views, first, self.rng)
 
     def block_size(self) -> int:
         for wid in self.fleet.prefill_ids():

@@ -75,12 +75,12 @@ UPSTREAM_FITTED_FORMULA = "245 + 37*log(batchSize + 1) + sum(0.028*computeTokens
 
 # Results are memoised per Formula, at most this many per table (a full table is cleared). Only
 # batches up to _CACHE_MAX_ITEMS items are memoised: for longer ones hashing the key costs about as
-# much as evaluating, and long keys would make the table's memory large. Why 4096 and not 65536:
-# with unique prompt lengths almost every batch is a new key, so a gateway's batch table filled for
-# an hour at 50 req/s (65536 entries of 1-8 items measured 43 MiB), which the soak saw as the
-# gateways' RSS growing; the reuse that matters (one decision pricing the same candidates) is far
-# smaller than 4096.
-_RESULT_CACHE_SIZE = 4096
+# much as evaluating, and long keys would make the table's memory large. Why so few: with unique
+# prompt lengths almost every batch is a new key, so a large table only fills. At 65,536 entries a
+# gateway's batch table filled for an hour at 50 req/s (43 MiB); at 4,096 it still filled for
+# ~45 minutes (~830 bytes an entry, ~4 %/h of a gateway's RSS in the soak, docs/reliability.md).
+# The reuse that matters — one decision pricing the same candidate batches — is a few entries.
+_RESULT_CACHE_SIZE = 256
 _CACHE_MAX_ITEMS = 16
 
 

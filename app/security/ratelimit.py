@@ -117,7 +117,7 @@ def _function(name: str, body: str) -> str:
 
 
 #: The commands of the request's first round trip that `GATE` can carry, by script name.
-_FOLDED = ("create_request", "reserve", "handoff")
+_FOLDED = ("create_request", "reserve", "handoff", "handoff_pick")
 
 # KEYS: the tenant's bucket and in-flight set (LIMIT's), then each carried command's keys in order.
 # ARGV: n_limit (LIMIT's argument count), n_cmds, per command (name, n_keys, n_args), LIMIT's
@@ -129,7 +129,10 @@ GATE = (
     + "".join(_function(n, scripts.ALL[n]) for n in _FOLDED)
     + """
 local function sadd(KEYS, ARGV) return redis.call('SADD', KEYS[1], ARGV[1]) end
-local run = {sadd = sadd, create_request = create_request, reserve = reserve, handoff = handoff}
+local run = {
+  sadd = sadd, create_request = create_request, reserve = reserve, handoff = handoff,
+  handoff_pick = handoff_pick,
+}
 local function slice(t, from, n)
   local out = {}
   for i = 1, n do out[i] = t[from + i - 1] end

@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
-        book = PolicyBook(Settings().policies)
+        book = PolicyBook(Settings().policies, peers=True)
         policies = parse_policies(args.policy, args.batching, book)
         slice_ = parse_slice(args.slice) if args.slice else None
     except ValueError as exc:

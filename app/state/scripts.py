@@ -284,6 +284,79 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 """
 )
 
+# The hand-off with power of two choices on fresh load (FLEXLB_FRESH_PICK; issue 15): the origin
+# names its policy's pick A and runner-up B, and for each the policy's utility as a line in that
+# worker's live (queued ms, owed ms): u = u0 + cq * queued + co * owed (`routing_inputs.FreshPair`,
+# which computes the terms and checks the policy is linear in them). The script reads both workers'
+# queued ms and ledgers now, every replica's hand-offs and owners' commits included, ranks the two
+# as the policy's `best` picker would (the higher utility; within the band max(sign * best *
+# tie_pct, tie_abs) both are tied and the origin's pre-drawn tie winner goes) and hands off to the
+# winner; a worker whose queue is at the bound is not a candidate. Same round trip, same atomicity
+# as HANDOFF: replicas that ranked on the same stale snapshot no longer all land on the worker
+# that looked idlest (herding), and no extra round trip is paid for it.
+# When B wins, the request record (KEYS[7], created earlier in the same round trip) is told, so
+# the reconciler and the reaper of a dead origin find the queued work where it is.
+# Cross-slot (two workers' tags and the request's), like the tenant GATE: one Redis primary
+# (embedded, standalone or Sentinel), not Redis Cluster — the setting turns it off there.
+# KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH.
+# ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
+#       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B
+# → {entry_id | -1, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a, queued_b,
+#    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
+HANDOFF_PICK = (
+    _NOW_MS
+    + """
+local function owed_of(key, scale)
+  scale = tonumber(scale) or 1
+  if scale <= 0 then scale = 1 end
+  local t = redis.call('HGETALL', key)
+  local owed = 0
+  for i = 2, #t, 2 do
+    local b = cjson.decode(t[i])
+    local el = (now_ms - (tonumber(b['start_ms']) or now_ms)) / scale
+    if el < 0 then el = 0 end
+    local left = (tonumber(b['predicted_ms']) or 0) - el
+    if left > 0 then owed = owed + left end
+  end
+  return owed
+end
+local max_len = tonumber(ARGV[1])
+local qa = tonumber(redis.call('GET', KEYS[2]) or '0')
+local qb = tonumber(redis.call('GET', KEYS[5]) or '0')
+local oa = owed_of(KEYS[3], ARGV[7])
+local ob = owed_of(KEYS[6], ARGV[8])
+local fa = redis.call('XLEN', KEYS[1]) >= max_len
+local fb = redis.call('XLEN', KEYS[4]) >= max_len
+local function txt(x) return string.format('%.6f', x) end
+local function o3(x) return string.format('%.3f', x) end
+local loads = {txt(qa), o3(oa), txt(qb), o3(ob)}
+if fa and fb then return {-1, txt(qa), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]} end
+local w
+if fa then w = 2 elseif fb then w = 1 else
+  local ua = tonumber(ARGV[9]) + tonumber(ARGV[10]) * qa + tonumber(ARGV[11]) * oa
+  local ub = tonumber(ARGV[12]) + tonumber(ARGV[13]) * qb + tonumber(ARGV[14]) * ob
+  local best = math.max(ua, ub)
+  local slack = tonumber(ARGV[15]) * best * tonumber(ARGV[16])
+  if slack < tonumber(ARGV[17]) then slack = tonumber(ARGV[17]) end
+  if ua >= best - slack and ub >= best - slack then w = tonumber(ARGV[18])
+  elseif ua >= ub then w = 1 else w = 2 end
+end
+local k = 0
+if w == 2 then k = 3 end
+local q = tonumber(redis.call('GET', KEYS[2 + k]) or '0') + tonumber(ARGV[5 + w - 1])
+if q < 0 then q = 0 end
+local id = redis.call('XADD', KEYS[1 + k], '*', 'm', ARGV[3 + w - 1], 'ids', ARGV[2])
+redis.call('SET', KEYS[2 + k], txt(q))
+if w == 2 then
+  if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HSET', KEYS[7], 'prefill_worker', ARGV[19]) end
+  loads[3] = txt(q)
+  return {id, txt(q), o3(ob), 2, loads[1], loads[2], loads[3], loads[4]}
+end
+loads[1] = txt(q)
+return {id, txt(q), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]}
+"""
+)
+
 # KEYS: ledger, tombstones, queue; ARGV: batch_id, request_id, ttl, group, entry_id.
 # Settles one member and acknowledges + deletes its hand-off entry in one step: a settled entry
 # never lingers in the stream (DESIGN §5 "streams stay bounded").
@@ -299,6 +372,7 @@ end
 
 ALL: dict[str, str] = {
     "handoff": HANDOFF,
+    "handoff_pick": HANDOFF_PICK,
     "settle_ack": SETTLE_ACK,
     "ensure_cluster_epoch": ENSURE_CLUSTER_EPOCH,
     "reserve": RESERVE,

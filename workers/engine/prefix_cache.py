@@ -32,13 +32,24 @@ class CacheDiff:
 
 class PrefixCache:
     def __init__(self, capacity_tokens: int, block_size: int) -> None:
-        self.capacity_tokens = capacity_tokens
         self.block_size = block_size
+        self.capacity_tokens = capacity_tokens  # sets the diff log's limit too
         self._lru: OrderedDict[int, int] = OrderedDict()  # key -> pin count; oldest first
         self._pinned_blocks = 0
         self.version = 0
         self._log: deque[tuple[int, bool, int]] = deque()  # (version, added?, key)
         self._log_floor = 0  # versions <= floor are no longer in the log
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self._capacity_tokens
+
+    @capacity_tokens.setter
+    def capacity_tokens(self, tokens: int) -> None:
+        self._capacity_tokens = tokens
+        self._log_limit = min(
+            DIFF_LOG_LIMIT, max(DIFF_LOG_MIN, DIFF_LOG_PER_BLOCK * (tokens // max(1, self.block_size)))
+        )
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -73,57 +84,95 @@ class PrefixCache:
 
     # ---- pins ----------------------------------------------------------------------------
     def pin(self, keys: Iterable[int]) -> None:
+        lru = self._lru
+        newly = 0
         for k in keys:
-            c = self._lru.get(k)
+            c = lru.get(k)
             if c is None:
                 continue
             if c == 0:
-                self._pinned_blocks += 1
-            self._lru[k] = c + 1
-            self._lru.move_to_end(k)
+                newly += 1
+            lru[k] = c + 1
+            lru.move_to_end(k)
+        self._pinned_blocks += newly
 
     def unpin(self, keys: Iterable[int]) -> None:
+        """Hot like `insert`: a released or expired 8K-token handle unpins 128 blocks."""
+        lru = self._lru
+        freed = 0
         for k in keys:
-            c = self._lru.get(k)
-            if c is None or c == 0:
+            c = lru.get(k)
+            if not c:  # absent or not pinned
                 continue
-            self._lru[k] = c - 1
+            lru[k] = c - 1
             if c == 1:
-                self._pinned_blocks -= 1
+                freed += 1
+        self._pinned_blocks -= freed
 
     # ---- mutation ------------------------------------------------------------------------
     def insert(self, keys: Sequence[int], *, pin: bool, budget_tokens: int) -> list[int]:
         """Insert (or touch) `keys`, optionally pinning them, evicting unpinned LRU blocks so the
         cache stays within `budget_tokens` (capacity minus KV held outside the cache). Returns the
-        keys actually present afterwards (a block that cannot fit is not cached)."""
+        keys actually present afterwards (a block that cannot fit is not cached).
+
+        Hot: a finished 8 x 8K batch inserts 1,024 blocks, evicting as many from a full cache, on
+        the engine thread before its results leave, so the loop keeps its state in locals and
+        trims the diff log once at the end (the same log and floor as trimming per entry)."""
         present: list[int] = []
+        lru = self._lru
+        log = self._log.append
         budget_blocks = max(0, budget_tokens // self.block_size)
-        for k in keys:
-            c = self._lru.get(k)
-            if c is not None:
-                self._lru.move_to_end(k)
+        v = self.version
+        try:
+            for k in keys:
+                c = lru.get(k)
+                if c is not None:
+                    lru.move_to_end(k)
+                    if pin:
+                        if c == 0:
+                            self._pinned_blocks += 1
+                        lru[k] = c + 1
+                    present.append(k)
+                    continue
+                if len(lru) >= budget_blocks:
+                    old = self._oldest_unpinned()
+                    if old is None:
+                        break  # everything left is pinned: this block is computed but not cached
+                    del lru[old]
+                    v += 1
+                    log((v, False, old))
+                    if len(lru) >= budget_blocks:
+                        break
+                lru[k] = 1 if pin else 0
                 if pin:
-                    if c == 0:
-                        self._pinned_blocks += 1
-                    self._lru[k] = c + 1
+                    self._pinned_blocks += 1
+                v += 1
+                log((v, True, k))
                 present.append(k)
-                continue
-            if len(self._lru) >= budget_blocks and not self._evict_one():
-                break  # everything left is pinned: this block is computed but not cached
-            if len(self._lru) >= budget_blocks:
-                break
-            self._lru[k] = 1 if pin else 0
-            if pin:
-                self._pinned_blocks += 1
-            self._record(True, k)
-            present.append(k)
+        finally:
+            self.version = v
+            self._trim_log()
         return present
 
     def shrink_to(self, budget_tokens: int) -> None:
         """Evict unpinned blocks until the cache fits `budget_tokens`."""
         budget_blocks = max(0, budget_tokens // self.block_size)
-        while len(self._lru) > budget_blocks and self._evict_one():
-            pass
+        lru = self._lru
+        if len(lru) <= budget_blocks:
+            return
+        log = self._log.append
+        v = self.version
+        try:
+            while len(lru) > budget_blocks:
+                old = self._oldest_unpinned()
+                if old is None:
+                    break
+                del lru[old]
+                v += 1
+                log((v, False, old))
+        finally:
+            self.version = v
+            self._trim_log()
 
     def clear(self) -> None:
         for k in list(self._lru):
@@ -131,24 +180,28 @@ class PrefixCache:
         self._lru.clear()
         self._pinned_blocks = 0
 
-    def _evict_one(self) -> bool:
+    def _oldest_unpinned(self) -> int | None:
+        """The LRU-most block nobody pins, or None when every block is pinned."""
+        if self._pinned_blocks >= len(self._lru):
+            return None
         for k, c in self._lru.items():
             if c == 0:
-                del self._lru[k]
-                self._record(False, k)
-                return True
-        return False
+                return k
+        return None
 
     def _record(self, added: bool, key: int) -> None:
         self.version += 1
         self._log.append((self.version, added, key))
-        limit = min(
-            DIFF_LOG_LIMIT,
-            max(DIFF_LOG_MIN, DIFF_LOG_PER_BLOCK * (self.capacity_tokens // max(1, self.block_size))),
-        )
-        while len(self._log) > limit:
-            v, _, _ = self._log.popleft()
-            self._log_floor = v
+        self._trim_log()
+
+    def _trim_log(self) -> None:
+        log = self._log
+        extra = len(log) - self._log_limit
+        if extra <= 0:
+            return
+        for _ in range(extra - 1):
+            log.popleft()
+        self._log_floor = log.popleft()[0]
 
     # ---- diffs ---------------------------------------------------------------------------
     def diff_since(self, since_version: int | None) -> CacheDiff:

@@ -7,12 +7,19 @@ approximate radix tree) and their own requests in flight per worker. `Policy.fin
 them a prefill they routed has finished. They need the prompt's block keys (`PrefillQuery.keys`);
 without them the trees stay empty and the cache-aware ones balance by load only.
 
-- ``sglang_cache_aware``: SGLang router's `cache_aware` policy. If the load is imbalanced (max − min
-  in-flight > `balance_abs` and max > `balance_rel` × min) the request goes to the least-loaded
-  worker; otherwise to the worker with the longest prefix match when the match rate exceeds
-  `cache_threshold`, else to the worker whose tree is smallest. Defaults 0.3 / 64 / 1.5.
-- ``vllm_cache_aware``: vLLM router's `cache_aware`, the same algorithm with its library defaults
-  0.5 / 32 / 1.1.
+- ``sglang_cache_aware``: SGLang router's `cache_aware` policy (sglang-router 0.3.2 in P/D mode).
+  If the load is imbalanced (max − min in-flight > `balance_abs` and max > `balance_rel` × min)
+  the request goes to the least-loaded worker; otherwise to the worker with the longest prefix
+  match when the match rate (matched characters over the prompt's) exceeds `cache_threshold`,
+  else to the least-loaded worker, ties drawn at random. Defaults 0.3 / 64 / 1.5. In P/D mode
+  the policy does not see its prefill workers' in-flight counts (`sees_load` False: measured,
+  see docs/benchmarks.md "Peer imitations validated"), so a prompt below the threshold goes to a
+  worker drawn at random — not to the smallest tree, as older versions did.
+- ``vllm_cache_aware``: vLLM router's `cache_aware` (vllm-router 0.1.17), the same algorithm with
+  its library defaults 0.5 / 32 / 1.1 (its command line's are SGLang's 0.3 / 64 / 1.5); it sees
+  each prefill worker's requests in flight until their prefill ends, and its least-loaded choice
+  takes the first worker of a tie (`ties` "first"), so on an idle cluster every new prefix goes
+  to the first prefill worker.
 - ``llmd_precise``: llm-d's scheduler profile with the precise prefix-cache scorer (KV events: here
   the cache mirror's hits), the queue scorer (the view's `queue_len`) and the KV-cache-utilisation
   scorer, weights 3:2:2; the highest weighted score wins.
@@ -80,10 +87,20 @@ class PeerPicker(Plugin):
 
 class CacheAware(PeerPicker):
     """SGLang / vLLM router `cache_aware`: an approximate radix tree per worker from the router's own
-    routing decisions; balance by in-flight requests when imbalanced, else the longest prefix match
-    above ``cache_threshold``, else the smallest tree."""
+    routing decisions; the least loaded when imbalanced, else the longest prefix match above
+    ``cache_threshold``, else the least loaded. ``sees_load``: whether the policy sees its own
+    in-flight counts (when not, all read 0); ``ties``: how the least loaded is chosen among equals
+    (``random``, or ``first`` in the workers' order)."""
 
-    __slots__ = ("balance_abs", "balance_rel", "cache_threshold", "max_tree_blocks", "trees")
+    __slots__ = (
+        "balance_abs",
+        "balance_rel",
+        "cache_threshold",
+        "max_tree_blocks",
+        "sees_load",
+        "ties",
+        "trees",
+    )
 
     def __init__(
         self,
@@ -93,29 +110,35 @@ class CacheAware(PeerPicker):
         balance_abs: int = 64,
         balance_rel: float = 1.5,
         max_tree_blocks: int = 1 << 20,  # SGLang's bound is ~2^26 chars: effectively none
+        sees_load: bool = False,
+        ties: str = "random",
     ) -> None:
         super().__init__(ctx)
+        if ties not in ("random", "first"):
+            raise ValueError(f"ties must be random or first, got {ties!r}")
         self.cache_threshold = cache_threshold
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.max_tree_blocks = max_tree_blocks
+        self.sees_load = sees_load
+        self.ties = ties
         self.trees: dict[str, OrderedDict[int, None]] = {}
 
     def _choose(self, q: Any, c: Candidates, rng: random.Random) -> int:
         ws = c.workers
-        loads = [self.inflight.get(w.id, 0) for w in ws]
+        loads = [self.inflight.get(w.id, 0) for w in ws] if self.sees_load else [0] * len(ws)
         hi, lo = max(loads), min(loads)
+        least = [i for i, x in enumerate(loads) if x == lo]
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
-            return _pick(rng, [i for i, x in enumerate(loads) if x == lo])
+            return least[0] if self.ties == "first" else _pick(rng, least)
         keys = q.keys
         matched = [self._match(w.id, keys) for w in ws]
         best = max(matched)
-        n = max(1, q.input_tokens // q.block_size)
-        if keys and best / n > self.cache_threshold:
+        # The match rate is matched characters over the prompt's (one character a token in the
+        # replay), so the unshared tail past the last full block counts in the divisor.
+        if keys and best * q.block_size / max(1, q.input_tokens) > self.cache_threshold:
             return _pick(rng, [i for i, m in enumerate(matched) if m == best])
-        sizes = [len(self.trees.get(w.id, ())) for w in ws]
-        small = min(sizes)
-        return _pick(rng, [i for i, s in enumerate(sizes) if s == small])
+        return least[0] if self.ties == "first" else _pick(rng, least)
 
     def _match(self, wid: str, keys: Sequence[int]) -> int:
         tree = self.trees.get(wid)
@@ -148,7 +171,8 @@ class SglangCacheAware(CacheAware):
 
 @register("picker", "vllm_cache_aware", roles=("prefill",))
 class VllmCacheAware(CacheAware):
-    """vLLM router's `cache_aware`: SGLang's algorithm with its library defaults 0.5 / 32 / 1.1."""
+    """vLLM router's `cache_aware`: SGLang's algorithm with its library defaults 0.5 / 32 / 1.1; it
+    sees its in-flight counts and takes the first of the least loaded."""
 
     __slots__ = ()
 
@@ -160,6 +184,8 @@ class VllmCacheAware(CacheAware):
         balance_abs: int = 32,
         balance_rel: float = 1.1,
         max_tree_blocks: int = 1 << 20,
+        sees_load: bool = True,
+        ties: str = "first",
     ) -> None:
         super().__init__(
             ctx,
@@ -167,6 +193,8 @@ class VllmCacheAware(CacheAware):
             balance_abs=balance_abs,
             balance_rel=balance_rel,
             max_tree_blocks=max_tree_blocks,
+            sees_load=sees_load,
+            ties=ties,
         )
 
 
