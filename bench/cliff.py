@@ -27,9 +27,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.sim.config import SimConfig
+from app.protocol.blocks import hit_blocks_cap
+from app.sim.cluster import ClusterSim
+from app.sim.config import SimConfig, batcher_config
 from app.sim.run import PolicySpec, prepare_trace, run_simulation
 from app.traces import Trace, TraceRequest, load_trace
+from app.traces.bounds import _lru_hits
 
 TRACES = Path("/work/shared/traces")
 LOADS = (0.5, 0.7, 1.0, 1.2, 1.5, 2.0)
@@ -37,6 +40,8 @@ POLICIES = (
     "cost",  # the default: cost routing, window batching, SLO admission
     "cost@direct",
     "cost+fresh",  # the default with Policy.second_look on fresh load (simulator only for now)
+    "cost+shared",  # the default with speculative entries shared through the owner (simulator only)
+    "cost+fresh+shared",
     "prefix",
     "least_load",
     "round_robin",
@@ -75,35 +80,103 @@ def synthetic_workload(n: int = 6000, seed: int = 11, block_size: int = 512) -> 
     return Trace("synthetic_bursty", "mooncake", block_size, reqs)
 
 
+def chat_agent_workload(n: int = 6000, seed: int = 13, block_size: int = 512) -> Trace:
+    """Sessions of multi-turn chat and tool-using agents behind shared application prompts, the
+    shape production LLM traffic has and neither shipped trace isolates.
+
+    24 applications, Zipf(1.0)-popular, each with a system prompt (+ few-shot examples) of lognormal
+    length, median 1,200 tokens. 75 % of sessions are chats: 1 + geometric turns (mean 4), each
+    adding a user message (median 150 tokens) and the previous answer (median 250) to the history,
+    then a think time (exponential, mean 20 s). 25 % are agents: mean 8 steps, each adding the
+    previous action (median 80 tokens) and a tool result (median 600), 2 s apart (exponential).
+    Every prompt is the application prompt + the session's whole history, so a session's next
+    prompt extends its last one; sessions start as a Poisson process. Block keys are per
+    application for the blocks wholly inside its prompt and per session after. Parameters are
+    round figures of the published shapes (multi-turn chat ~3-5 turns, agents' long tool
+    outputs), not fitted to any result of this bench."""
+    rng = random.Random(seed)
+    apps = 24
+    weights = [1.0 / (a + 1) for a in range(apps)]
+    sys_len = [min(8000, max(64, int(rng.lognormvariate(math.log(1200), 0.8)))) for _ in range(apps)]
+    events: list[tuple[float, int, int, int, int]] = []  # (arrival ms, session, input, output, app)
+    t = 0.0
+    session = 0
+    while len(events) < n:
+        t += rng.expovariate(1.0) * 1000.0  # one session a second (the load scaling rescales it)
+        app = rng.choices(range(apps), weights)[0]
+        agent = rng.random() < 0.25
+        steps = 1 + int(rng.expovariate(1 / (7.0 if agent else 3.0)))
+        hist = 0
+        at = t
+        for k in range(steps):
+            if agent:
+                add = (int(rng.lognormvariate(math.log(80), 0.7)) if k else 0) + int(
+                    rng.lognormvariate(math.log(600), 1.0)
+                )
+                out = max(1, int(rng.lognormvariate(math.log(100), 0.7)))
+            else:
+                add = int(rng.lognormvariate(math.log(150), 1.0))
+                out = max(1, int(rng.lognormvariate(math.log(250), 0.7)))
+            hist += max(1, add)
+            events.append((at, session, sys_len[app] + hist, out, app))
+            hist += out  # the answer joins the history of the next turn
+            at += rng.expovariate(1 / (2.0 if agent else 20.0)) * 1000.0
+        session += 1
+    events.sort()
+    events = events[:n]
+    reqs: list[TraceRequest] = []
+    for i, (at, sid, il, ol, app) in enumerate(events):
+        shared = sys_len[app] // block_size  # blocks wholly inside the application prompt
+        nblocks = -(-il // block_size)  # + a partial last block, as Mooncake hashes it
+        blocks = tuple(((app + 1) << 40) | b if b < shared else ((sid + 1) << 20) | b for b in range(nblocks))
+        reqs.append(TraceRequest(i, at - events[0][0], il, ol, blocks))
+    return Trace("synthetic_chat_agents", "mooncake", block_size, reqs)
+
+
 def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
     out: dict[str, Trace] = {}
     for name in names:
-        tr = synthetic_workload() if name == "synthetic" else load_trace(TRACES / f"{name}.jsonl.gz", "auto")
+        if name == "synthetic":
+            tr = synthetic_workload()
+        elif name == "chat_agents":
+            tr = chat_agent_workload()
+        else:
+            tr = load_trace(TRACES / f"{name}.jsonl.gz", "auto")
         if max_requests and len(tr) > max_requests:
             tr = Trace(tr.name, tr.format, tr.block_size, tr.requests[:max_requests])
         out[name] = tr
     return out
 
 
+SUFFIXES = {"+fresh": "fresh_pick", "+shared": "shared_speculative"}
+
+
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
-    """``NAME[@BATCHING][+fresh]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick` (its
-    `Policy.second_look` on fresh shared load; not in the live gateway yet)."""
+    """``NAME[@BATCHING][+fresh][+shared]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick`
+    (its `Policy.second_look` on fresh shared load), ``+shared`` with
+    `SimConfig.shared_speculative` (speculative cache entries published through the owner to
+    every replica); neither is in the live gateway yet."""
     out = []
     for n in names:
-        base = n.removesuffix("+fresh")
+        base = n
+        for suf in SUFFIXES:
+            base = base.replace(suf, "")
         strategy, _, batching = base.partition("@")
         out.append(PolicySpec(n, strategy, batching or "window"))
     return out
 
 
+def _flags(name: str) -> tuple[str, ...]:
+    return tuple(f for suf, f in SUFFIXES.items() if suf in name)
+
+
 def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
-    """Each spec's summary; the ``+fresh`` ones in a run of their own with fresh_pick on."""
+    """Each spec's summary; those with suffixes in runs of their own with those flags on."""
     out: dict[str, dict[str, Any]] = {}
-    for fresh in (False, True):
-        group = [p for p in todo if p.name.endswith("+fresh") == fresh]
-        if group:
-            cfg_g = replace(cfg, fresh_pick=True) if fresh else cfg
-            out.update(run_simulation(tr, cfg_g, group).policies)
+    for flags in sorted({_flags(p.name) for p in todo}):
+        group = [p for p in todo if _flags(p.name) == flags]
+        cfg_g = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        out.update(run_simulation(tr, cfg_g, group).policies)
     return {p.name: out[p.name] for p in todo}
 
 
@@ -164,9 +237,141 @@ def fmt_ms(v: float | None) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.0f}"
 
 
+def ceiling(tr: Trace, cfg: SimConfig, pols: list[PolicySpec]) -> dict[str, float]:
+    """How much prefill work cache reuse can save: Σ predict(L, hit) ÷ Σ predict(L, 0) with the
+    hits of the full-block pooled-LRU bound (``bound``, all requests: no router over this memory
+    does better) and with each policy's routed hits (``NAME``, its served requests), and
+    ``NAME/bound``: the policy's work ÷ the bound's work on the same served requests.
+
+    A policy's capacity ÷ another's cannot exceed the inverse ratio of their prefill work unless
+    the other also balances its queues worse: with equal balance, a baseline's ``NAME/bound`` is
+    the most any cache-aware routing can gain over it."""
+    f = cfg.gateway_formula()
+    bs = tr.block_size
+    lru = _lru_hits(tr, cfg.prefill * cfg.engine_profile().kv_capacity_tokens)
+    cold = [f.predict_one(r.input_len, 0) for r in tr.requests]
+    bound = [
+        f.predict_one(r.input_len, min(h * bs, r.input_len)) for h, r in zip(lru, tr.requests, strict=True)
+    ]
+    out = {"bound": sum(bound) / sum(cold)}
+    for p in pols:
+        flags = _flags(p.name)
+        cfg_p = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        recs = run_simulation(tr, cfg_p, [p]).records[p.name]
+        served = [i for i, r in enumerate(recs) if r.ttft_ms is not None]
+        work = sum(f.predict_one(recs[i].input_tokens, recs[i].cached_tokens) for i in served)
+        out[p.name] = work / sum(cold[i] for i in served) if served else float("nan")
+        out[f"{p.name}/bound"] = work / sum(bound[i] for i in served) if served else float("nan")
+    return out
+
+
+def run_ceiling(args: argparse.Namespace) -> int:
+    """``--ceiling``: the prefill-work table (see `ceiling`) per workload, replica count and load."""
+    pols = specs(args.policies.split(","))
+    lines = [
+        "| workload | replicas | load | bound work | "
+        + " | ".join(f"{p.name} work" for p in pols)
+        + " | "
+        + " | ".join(f"{p.name} ÷ bound (same requests)" for p in pols)
+        + " |",
+        "|---|---:|---:|---:|" + "---:|" * (2 * len(pols)),
+    ]
+    for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
+        for nrep in (int(x) for x in args.replicas.split(",")):
+            cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+            for load in (float(x) for x in args.loads.split(",")):
+                tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
+                c = ceiling(tr, cfg, pols)
+                cells = [f"{c[p.name]:.3f}" for p in pols] + [f"{c[p.name + '/bound']:.3f}" for p in pols]
+                lines.append(
+                    f"| {tname} | {nrep} | {load:g} | {c['bound']:.3f} | " + " | ".join(cells) + " |"
+                )
+                print(lines[-1], flush=True)
+    print("\n".join(lines))
+    return 0
+
+
+class _LostHits(ClusterSim):
+    """`ClusterSim` that notes, at each routing, how many leading blocks every prefill engine
+    really holds and what the routing replica's mirror said (for ``--lost``)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.seen: dict[int, tuple[list[int], dict[str, int]]] = {}
+
+    def _arrival(self, i: int) -> None:
+        r = self.trace.requests[i]
+        keys = self.trace.full_block_keys(r)
+        cap = hit_blocks_cap(r.input_len, self.bs)
+        true = [min(e.cache.match_prefix(keys), cap) if keys else 0 for e in self.peng]
+        rep = self.replicas[i % self.cfg.replicas]
+        self.seen[i] = (true, dict(rep.prefill_query(r.input_len, keys, self.now).hit_blocks))
+        super()._arrival(i)
+
+
+def lost_hits(tr: Trace, cfg: SimConfig, policy: str) -> dict[str, float]:
+    """Where a policy's routed hits fall short of the pooled-LRU bound, per served request, as
+    shares of the bound's tokens: ``routed_away_known`` (a worker held more of the prompt at
+    routing, the replica's mirror knew, the policy chose another), ``routed_away_unseen`` (held,
+    the mirror did not know), ``nobody_held`` (no engine held it yet: its earlier prompt still in
+    flight, or evicted), ``evicted_in_queue`` (the chosen worker held it at routing, not at start)."""
+    lru = _lru_hits(tr, cfg.prefill * cfg.engine_profile().kv_capacity_tokens)
+    sim = _LostHits(tr, cfg, policy, batcher_config("window", cfg.slo_ttft_ms))
+    sim.run()
+    bs = tr.block_size
+    lost: dict[str, float] = dict.fromkeys(
+        ("routed_away_known", "routed_away_unseen", "nobody_held", "evicted_in_queue", "other"), 0.0
+    )
+    bound = got = 0
+    for r, h in zip(tr.requests, lru, strict=True):
+        st = sim.reqs[r.index]
+        if st.prefill < 0 or st.t_first is None:
+            continue
+        b = min(h * bs, r.input_len)
+        bound += b
+        got += st.cached
+        if b <= st.cached:
+            continue
+        true, view = sim.seen[r.index]
+        held, mine = max(true) * bs, true[st.prefill] * bs
+        if held < b:
+            k = "nobody_held"
+        elif mine < held:
+            known = max(view.values(), default=0) * bs >= held
+            k = "routed_away_known" if known else "routed_away_unseen"
+        elif st.cached < mine:
+            k = "evicted_in_queue"
+        else:
+            k = "other"
+        lost[k] += b - st.cached
+    out = {k: v / bound for k, v in lost.items()} if bound else lost
+    out["hit_of_bound"] = got / bound if bound else float("nan")
+    return out
+
+
+def run_lost(args: argparse.Namespace) -> int:
+    """``--lost``: `lost_hits` of each policy per workload, replica count and load."""
+    for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
+        for nrep in (int(x) for x in args.replicas.split(",")):
+            for p in specs(args.policies.split(",")):
+                flags = _flags(p.name)
+                cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+                cfg = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+                for load in (float(x) for x in args.loads.split(",")):
+                    tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
+                    d = lost_hits(tr, cfg, p.strategy)
+                    parts = ", ".join(f"{k} {100 * v:.1f}" for k, v in d.items() if k != "hit_of_bound")
+                    print(
+                        f"{tname} r={nrep} load={load:g} {p.name}: hit/bound {d['hit_of_bound']:.3f};"
+                        f" lost (% of bound): {parts}",
+                        flush=True,
+                    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic")
+    ap.add_argument("--traces", default="conversation_trace,trace_30min,synthetic,chat_agents")
     ap.add_argument("--loads", default=",".join(str(x) for x in LOADS))
     ap.add_argument("--replicas", default="1,4")
     ap.add_argument("--policies", default=",".join(POLICIES))
@@ -178,7 +383,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the --repeat policies (averaged)")
     ap.add_argument("--repeat", default="cost,cost@direct", help="policies run with every seed")
     ap.add_argument("--render", default=None, help="only render this cliff.json as markdown")
+    ap.add_argument("--ceiling", action="store_true", help="only the prefill-work ceiling table")
+    ap.add_argument("--lost", action="store_true", help="only where routed hits fall short of the bound")
     args = ap.parse_args(argv)
+    if args.ceiling:
+        return run_ceiling(args)
+    if args.lost:
+        return run_lost(args)
     if args.render:
         print(render(json.loads(Path(args.render).read_text())))
         return 0

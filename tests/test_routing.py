@@ -80,34 +80,49 @@ def picks(strategy: object, q: object, workers: Sequence[WorkerView], seed: int,
 def test_cost_prefers_the_cache_holder_while_it_finishes_sooner() -> None:
     # L = 2000, A holds 6 blocks = 1536 tokens: A's prefill = 10 + 0.1*464 = 56.4 ms, cold = 210 ms,
     # so the prefix saves 153.6 ms, counted CACHE_VALUE = 2 more times for the follow-ups.
-    # A owes 100 ms: cost(A) = 156.4 - 307.2, cost(B) = 210.
+    # Finish times within the 1 s budget cost LATENCY_BELOW_BUDGET = 1/4 of their ms.
+    # A owes 100 ms: cost(A) = 0.25 * 156.4 - 307.2, cost(B) = 0.25 * 210.
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=100.0), pw("B")]
     choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "A"
     assert choice.hit_tokens == 1536
     assert choice.predicted_ms == pytest.approx(56.4)
-    assert choice.score == pytest.approx(156.4 - 2 * 153.6)
+    assert choice.score == pytest.approx(0.25 * 156.4 - 2 * 153.6)
     assert choice.reason == "cost"
 
 
-def test_cost_leaves_a_busy_cache_holder_for_a_worker_that_finishes_sooner() -> None:
-    # A owes 400 ms and has 150 ms queued: cost(A) = 56.4 + 550 - 307.2 = 299.2 > cost(B) = 210 + 21
-    # (10%): the prefix's value for the follow-ups no longer outweighs the backlog.
+def test_cost_keeps_the_prefix_against_a_backlog_within_the_latency_budget() -> None:
+    # A owes 400 ms and has 150 ms queued: it would finish at 606.4 ms, within the 1 s budget, so
+    # its backlog costs 1/4: cost(A) = 0.25 * 606.4 - 307.2 < cost(B) = 0.25 * 210. At full price
+    # (the previous `cost`) A's 299.2 lost to B's 210: the holder gave its prefix away for a
+    # latency the SLO does not count, and the cluster paid the cold prefill.
     q = pq(2000, {"A": 6})
     workers = [pw("A", owed_ms=400.0, queued_ms=150.0), pw("B")]
+    choice = cost_policy(LINEAR).choose(q, workers, rng())
+    assert choice.worker_id == "A"
+    assert choice.score == pytest.approx(0.25 * 606.4 - 2 * 153.6)
+
+
+def test_cost_leaves_a_busy_cache_holder_past_the_latency_budget() -> None:
+    # A owes 1,200 ms and has 150 ms queued: it would finish at 1,406.4 ms, 406.4 past the budget:
+    # cost(A) = 0.25 * 1406.4 + 0.75 * 406.4 - 307.2 = 349.2 > cost(B) = 0.25 * 210 = 52.5 (+ the
+    # 5.25 band): past the budget a backlog costs full price and the idle worker wins.
+    q = pq(2000, {"A": 6})
+    workers = [pw("A", owed_ms=1200.0, queued_ms=150.0), pw("B")]
     choice = cost_policy(LINEAR).choose(q, workers, rng())
     assert choice.worker_id == "B"
     assert choice.hit_tokens == 0
     assert choice.predicted_ms == pytest.approx(210.0)
-    assert choice.score == pytest.approx(210.0)
+    assert choice.score == pytest.approx(52.5)
 
 
 def test_cost_near_tie_between_holder_and_idle_worker() -> None:
-    # A owes 470 ms: cost(A) = 56.4 + 470 - 307.2 = 219.2, cost(B) = 210, within max(21, 20) = 21 ->
-    # both are candidates, and within the band the cache holder keeps the prompt (cache affinity).
+    # A owes 1,056 ms: it finishes at 1,112.4, cost(A) = 1112.4 - 750 - 307.2 = 55.2, cost(B) = 52.5,
+    # within max(0.1 * 52.5, 20 * 0.25) = 5.25 (the band is in utility: 20 ms of finish time below
+    # the budget) -> both are candidates, and within the band the cache holder keeps the prompt.
     q = pq(2000, {"A": 6})
-    workers = [pw("A", owed_ms=470.0), pw("B")]
+    workers = [pw("A", owed_ms=1056.0), pw("B")]
     assert set(picks(cost_policy(LINEAR), q, workers, seed=1, n=200)) == {"A"}
     # With ties switched off the strict minimum wins every time.
     strict = cost_policy(LINEAR, tie_pct=0.0, tie_abs=0.0)
@@ -584,6 +599,22 @@ def test_a_declared_policy_composes_plugins_with_weights() -> None:
     assert sticky.score == pytest.approx(216.4 - 0.05 * 1536)
 
 
+def test_predicted_late_ms_is_zero_within_the_budget_and_the_overrun_past_it() -> None:
+    # L = 2000 cold = 210 ms; A's cached 1536 tokens make it 56.4 ms. Budget 500 ms.
+    book = PolicyBook(
+        {"late": {"role": "prefill", "scorers": [{"name": "predicted_late_ms", "budget_ms": 500}]}}
+    )
+    pol = book.build("prefill", "late", LINEAR)
+    q = pq(2000, {"A": 6})
+    # A finishes at 56.4 + 400 (within), B at 210 + 350 = 560 (60 past), C at 210 + 1000 (710 past).
+    workers = [pw("A", owed_ms=400.0), pw("B", queued_ms=350.0), pw("C", owed_ms=1000.0)]
+    assert pol.choose(q, workers, rng()).score == pytest.approx(0.0)
+    assert pol.choose(q, workers[1:], rng()).score == pytest.approx(60.0)
+    assert pol.choose(q, workers[2:], rng()).score == pytest.approx(710.0)
+    with pytest.raises(ValueError, match="budget_ms must be >= 0"):
+        PolicyBook({"bad": {"role": "prefill", "scorers": [{"name": "predicted_late_ms", "budget_ms": -1}]}})
+
+
 @pytest.mark.parametrize(
     ("raw", "error"),
     [
@@ -666,6 +697,7 @@ def test_second_look_ranks_by_the_policy_so_a_cache_holder_keeps_its_prompt() ->
     first = pol.choose(q, views, rng())
     assert first.worker_id == "A"
     assert pol.second_look(q, views, first, live.__getitem__, rng()).worker_id == "A"
-    # A backlog beyond what the prefix is worth moves it.
-    far = {"A": (0.0, 600.0), "B": (0.0, 0.0)}
+    # A backlog beyond what the prefix is worth moves it (past the 1 s budget: 1,256.4 - 750 -
+    # 307.2 > 52.5 + 20).
+    far = {"A": (0.0, 1200.0), "B": (0.0, 0.0)}
     assert pol.second_look(q, views, first, far.__getitem__, rng()).worker_id == "B"

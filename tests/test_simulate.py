@@ -132,9 +132,10 @@ def test_large_fleet_shortlist_runs() -> None:
     recs = ClusterSim(t, cfg, "cost", bc).run().records
     assert sum(r.error is None for r in recs) == 600
     assert sum(r.cached_tokens for r in recs) > 0
-    # Spread over the fleet: every one of the 30 prefix groups gets a worker of its own (cost keeps
-    # a group on its holder while the holder's backlog is within twice what the prefix saves).
-    assert len({r.prefill_worker for r in recs}) >= 30
+    # Spread over the fleet, not herded onto a few workers: the 30 prefix groups land on about as
+    # many workers (30 when finish time cost full price below the latency budget, 29 since `cost`
+    # keeps a group on its holder against up to 9x its saving within the budget).
+    assert len({r.prefill_worker for r in recs}) >= 28
 
 
 def test_fast_match_equals_live_mirror() -> None:
@@ -215,3 +216,35 @@ def test_prefill_only_requests_unpin_their_kv_at_once() -> None:
         if kind == _RELEASE:
             sim.peng[a].release(b, _t)
     assert all(not e.pinned_ids() for e in sim.peng)
+
+
+def _two_turns(gap_ms: float) -> Trace:
+    """Two prompts sharing an 8-block prefix, the second ``gap_ms`` after the first: with two
+    replicas, request i is routed by replica i % 2."""
+    from app.traces.model import TraceRequest
+
+    prefix = tuple(range(1, 9))
+    reqs = [
+        TraceRequest(0, 0.0, 8 * 64 + 10, 1, (*prefix, 100)),
+        TraceRequest(1, gap_ms, 12 * 64 + 10, 1, (*prefix, 200, 201, 202, 203, 204)),
+    ]
+    return Trace("two_turns", "mooncake", 64, reqs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_speculative_entries_let_another_replica_follow_an_uncached_prefix(seed: int) -> None:
+    # Replica 1 routes the follow-up 3 ms after replica 0 routed the first prompt: the prefix is
+    # not cached yet (the first prefill is still queued or running) and no poll has reported it.
+    # Published through the owner at its read of the hand-off, replica 1's mirror holds a
+    # speculative entry and the follow-up goes to the same worker, which has cached the prefix by
+    # the time it runs. Without it, replica 1 routes blind: on 8 idle workers it lands elsewhere.
+    t = _two_turns(3.0)
+    cached = {}
+    for shared in (False, True):
+        cfg = SimConfig(prefill=8, decode=1, replicas=2, seed=seed, shared_speculative=shared)
+        sim = ClusterSim(t, cfg, "cost", batcher_config("window", 3000.0))
+        recs = sim.run().records
+        assert all(r.error is None for r in recs)
+        cached[shared] = (sim.reqs[1].cached, sim.reqs[0].prefill == sim.reqs[1].prefill)
+    assert cached[True] == (8 * 64, True)
+    assert cached[False] == (0, False)

@@ -228,6 +228,8 @@ class ClusterSim:
                 self._resched_d(a)
             elif kind == _HANDOFF:
                 b.arrival_ms = t  # the owner stamps its read, as the live one does (`admit`)
+                if cfg.shared_speculative:
+                    self._publish_speculative(a, b)
                 self.batchers[a].add(b)
                 self._decide(a)
             elif kind == _TIMER:
@@ -358,6 +360,20 @@ class ClusterSim:
             drop_late=slo and adm.drop_late == "always",
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
+
+    def _publish_speculative(self, w: int, p: Pending) -> None:
+        """`SimConfig.shared_speculative`: the owner of worker ``w`` publishes the just-read
+        hand-off's prefix as a speculative entry to every other replica's mirror (the origin's own
+        mirror has it since it routed)."""
+        tr = self.trace.requests[p.payload]
+        keys = self.trace.full_block_keys(tr)
+        if not keys:
+            return
+        cap = hit_blocks_cap(tr.input_len, self.bs)
+        origin = self.reqs[p.payload].origin
+        for rep in self.replicas:
+            if rep.idx != origin:
+                rep.spec.add(self.pids[w], keys[: max(cap, 0) + 1], self.now)
 
     def _fresh_loads(self, wid: str) -> tuple[float, float]:
         """(queued ms, owed ms) of a prefill worker as a round trip to the shared state reads them

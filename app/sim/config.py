@@ -79,6 +79,11 @@ class SimConfig:
     # The prefill policy re-ranks its pick and runner-up on fresh shared load (`Policy.second_look`,
     # power of two choices against herding); not in the live gateway yet, so off by default.
     fresh_pick: bool = False
+    # Speculative cache entries published through the owner (DESIGN §11 "replicas see each other";
+    # the live origin keeps them in its own mirror only, so off by default): the owner adds the
+    # prompt's blocks for every replica's mirror when it reads the hand-off, so a replica routing a
+    # follow-up sees a prefix another replica just sent and that is not cached yet.
+    shared_speculative: bool = False
     # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
     # and the decode engines' admission (reserve | expected: on use, with preemption).
     reserve_output_tokens: str = field(default_factory=lambda: _settings().reserve_output_tokens)
