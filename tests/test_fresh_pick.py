@@ -129,7 +129,11 @@ async def test_handoff_pick_script_decides_as_fresh_pair(redis_url: str, cluster
             pair = FreshPair(
                 Choice(a, hit_tokens=64, predicted_ms=10.0),
                 Choice(b, predicted_ms=30.0),
-                ((-10.0 - 64.0, -1.0, -1.0), (-30.0, -1.0, -1.0)),
+                # half the cases with the hinge a budget scorer adds (cost's predicted_late_ms)
+                (
+                    (-10.0 - 64.0, -0.25, -0.25, hw := rnd.choice([0.0, -0.75]), rnd.uniform(-500, 100)),
+                    (-30.0, -0.25, -0.25, hw, rnd.uniform(-500, 100)),
+                ),
                 -1.0,
                 0.1,
                 20.0,
@@ -138,13 +142,14 @@ async def test_handoff_pick_script_decides_as_fresh_pair(redis_url: str, cluster
             want = pair.decide(((qa, oa), (qb, ob)))
             rid = f"r{i}"
             await r.hset(keys.request(rid), mapping={"state": "queued", "prefill_worker": a})
-            (t0, cq0, co0), (t1, cq1, co1) = pair.terms
+            (t0, cq0, co0, hw0, hc0), (t1, cq1, co1, hw1, hc1) = pair.terms
             ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
             terms = [repr(x) for x in (t0, cq0, co0, t1, cq1, co1, -1.0, 0.1, 20.0)]
+            hinges = [repr(x) for x in (hw0, hc0, hw1, hc1)]
             res = await st.run_script(
                 "handoff_pick",
                 [*ks, keys.ledger(b), keys.request(rid)],
-                [100, b"ids", '{"w":"a"}', '{"w":"b"}', "10.0", "30.0", "1", "1", *terms, pair.winner + 1, b],
+                [100, b"ids", "{}", "{}", "10.0", "30.0", "1", "1", *terms, pair.winner + 1, b, b"", *hinges],
             )
             got = int(res[3]) - 1
             assert got == want, (i, qa, oa, qb, ob, pair.winner)

@@ -190,7 +190,7 @@ class HandoffStage(RequestContext):
     ) -> list[Any]:
         """The `HANDOFF_PICK` EVALSHA: ``wid`` (the policy's pick) against the pair's runner-up."""
         alt = pair.pair.alt.worker_id
-        (a0, aq, ao), (b0, bq, bo) = pair.pair.terms
+        (a0, aq, ao, ahw, ahc), (b0, bq, bo, bhw, bhc) = pair.pair.terms
         return [
             "EVALSHA",
             self.store.sha("handoff_pick"),
@@ -217,6 +217,7 @@ class HandoffStage(RequestContext):
             pair.pair.winner + 1,
             alt,
             packed_keys,
+            *(repr(float(x)) for x in (ahw, ahc, bhw, bhc)),
         ]
 
     def _queued_base(self, wid: str) -> float:

@@ -54,12 +54,14 @@ def _parse_view(wid: str, role: str, snap: dict[str, str], state: str | None) ->
 class FreshPair:
     """The policy's pick and its runner-up, for the hand-off script that chooses between them on
     live load (`HANDOFF_PICK`, FLEXLB_FRESH_PICK; `Policy.second_look` is the simulator's twin).
-    ``terms[i]`` = (u0, per queued ms, per owed ms): candidate i's utility as a line in its live
-    load; ``winner`` (0 | 1) is whom the picker's tie-breakers (then its draw) give a near-tie."""
+    ``terms[i]`` = (u0, per queued ms, per owed ms, hinge weight, hinge offset): candidate i's
+    utility in its live load q + o, u0 + cq·q + co·o + hw·max(0, hc + q + o) — a line, plus the
+    one hinge a budget scorer (`predicted_late_ms`) adds; ``winner`` (0 | 1) is whom the picker's
+    tie-breakers (then its draw) give a near-tie."""
 
     first: Choice
     alt: Choice
-    terms: tuple[tuple[float, float, float], tuple[float, float, float]]
+    terms: tuple[tuple[float, float, float, float, float], tuple[float, float, float, float, float]]
     sign: float
     tie_pct: float
     tie_abs: float
@@ -71,7 +73,10 @@ class FreshPair:
     def decide(self, loads: tuple[tuple[float, float], tuple[float, float]]) -> int:
         """The script's decision (0 | 1) in Python, given each one's live (queued, owed) ms: the
         tests hold the Lua to it."""
-        u = [t[0] + t[1] * q + t[2] * o for t, (q, o) in zip(self.terms, loads, strict=True)]
+        u = [
+            t[0] + t[1] * q + t[2] * o + t[3] * max(0.0, t[4] + q + o)
+            for t, (q, o) in zip(self.terms, loads, strict=True)
+        ]
         best = max(u)
         slack = max(self.sign * best * self.tie_pct, self.tie_abs)
         if all(x >= best - slack for x in u):
@@ -82,13 +87,16 @@ class FreshPair:
 # d score / d queued ms (= d score / d owed ms) of the prefill scorers whose score is a line in a
 # worker's live load: `predicted_finish_ms` and `prefill_load_ms` add both, the others read
 # neither (their formulas: app/scheduling/plugins/scorers/README.md; tests/test_fresh_pick.py
-# holds each scorer to its slope). A policy with any other scorer gets no fresh pick.
+# holds each scorer to its slope). `predicted_late_ms` is a hinge in the same load,
+# max(0, its finish − budget): at most one such scorer per policy rides as the terms' hinge. A
+# policy with any other scorer gets no fresh pick.
 LOAD_SLOPE = {
     "predicted_finish_ms": 1.0,
     "prefill_load_ms": 1.0,
     "prefill_saved_ms": 0.0,
     "cache_hit_tokens": 0.0,
 }
+HINGE_SCORERS = ("predicted_late_ms",)
 
 
 def _utilities(policy: Policy, q: PrefillQuery, c: Candidates) -> list[float]:
@@ -110,7 +118,10 @@ def fresh_pair(
     picker = policy.picker
     if not policy.scorers or picker.name != "best":
         return None
-    if any(s.name not in LOAD_SLOPE for s, _, _ in policy.scorers):
+    if any(s.name not in LOAD_SLOPE and s.name not in HINGE_SCORERS for s, _, _ in policy.scorers):
+        return None
+    hinges = [(s, weight, sign) for s, weight, sign in policy.scorers if s.name in HINGE_SCORERS]
+    if len(hinges) > 1:
         return None
     a = next((v for v in views if v.id == first.worker_id), None)
     rest = [v for v in views if v.id != first.worker_id]
@@ -127,8 +138,25 @@ def fresh_pair(
     if len(c.workers) != 2:
         return None
     now = _utilities(policy, q, c)
-    slope = sum(sign * weight * LOAD_SLOPE[s.name] for s, weight, sign in policy.scorers)
-    terms = [(now[i] - slope * (v.queued_ms + v.owed_ms), slope, slope) for i, v in enumerate((a, b))]
+    slope = sum(
+        sign * weight * LOAD_SLOPE[s.name] for s, weight, sign in policy.scorers if s.name in LOAD_SLOPE
+    )
+    hw, hc = 0.0, [0.0, 0.0]
+    if hinges:
+        scorer, weight, sign = hinges[0]
+        hw = sign * weight
+        predict, budget = scorer.formula.predict_one, scorer.budget_ms  # type: ignore[attr-defined]
+        hc = [predict(q.input_tokens, hit) - budget for hit in c.hits]
+    terms = [
+        (
+            now[i] - slope * (load := v.queued_ms + v.owed_ms) - hw * max(0.0, hc[i] + load),
+            slope,
+            slope,
+            hw,
+            hc[i],
+        )
+        for i, v in enumerate((a, b))
+    ]
     winner, _ = picker.pick(q, c, [0.0, 0.0], policy.sign, rng)  # both tied: its tie-breakers decide
     return FreshPair(
         first,

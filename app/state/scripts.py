@@ -306,7 +306,8 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 # (embedded, standalone or Sentinel), not Redis Cluster — the setting turns it off there.
 # KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH.
 # ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
-#       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B[, keys (as HANDOFF)]
+#       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B, keys (as HANDOFF; may be
+#       ''), hw_a, hc_a, hw_b, hc_b (a utility's hinge: + hw * max(0, hc + queued + owed); absent = 0)
 # → {entry_id | -1, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a, queued_b,
 #    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
 HANDOFF_PICK = (
@@ -339,8 +340,14 @@ local loads = {txt(qa), o3(oa), txt(qb), o3(ob)}
 if fa and fb then return {-1, txt(qa), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]} end
 local w
 if fa then w = 2 elseif fb then w = 1 else
-  local ua = tonumber(ARGV[9]) + tonumber(ARGV[10]) * qa + tonumber(ARGV[11]) * oa
-  local ub = tonumber(ARGV[12]) + tonumber(ARGV[13]) * qb + tonumber(ARGV[14]) * ob
+  local function hinge(i, load)
+    local hw, hc = tonumber(ARGV[i] or '0'), tonumber(ARGV[i + 1] or '0')
+    local x = hc + load
+    if x > 0 then return hw * x end
+    return 0
+  end
+  local ua = tonumber(ARGV[9]) + tonumber(ARGV[10]) * qa + tonumber(ARGV[11]) * oa + hinge(21, qa + oa)
+  local ub = tonumber(ARGV[12]) + tonumber(ARGV[13]) * qb + tonumber(ARGV[14]) * ob + hinge(23, qb + ob)
   local best = math.max(ua, ub)
   local slack = tonumber(ARGV[15]) * best * tonumber(ARGV[16])
   if slack < tonumber(ARGV[17]) then slack = tonumber(ARGV[17]) end
