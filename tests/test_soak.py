@@ -2,7 +2,7 @@
 soak inside the suite at 2 minutes; the 30-minute figures come from `bench/soak.py`).
 
 Two replicas on the shared worker pool, an open loop of mixed streaming and non-streaming requests
-sharing prefixes for 60 s, finished records and settled-batch tombstones expiring after 10 s so
+sharing prefixes for 45 s, finished records and settled-batch tombstones expiring after 10 s so
 the cluster reaches its steady state inside the test. What must hold:
 
 - every request succeeds (0 typed, 0 hung, 0 lost) and no background loop records an error, the
@@ -33,9 +33,9 @@ from .gateways import start_gateway
 from .test_faults import start_two, wid
 
 TTL_S = 10
-LOAD_S = 60.0
+LOAD_S = 45.0
 RATE = 20.0
-SAMPLE_S = 5.0
+SAMPLE_S = 4.0
 
 
 def _rss_kib(pid: int) -> int:
