@@ -244,11 +244,11 @@ end
 
 # Owed ms of the worker's ledger now (KEYS[3]; ARGV[5] the worker's time scale): what the
 # poller publishes, read fresh in the hand-off's round trip (see HANDOFF).
-_OWED_MS = """
-local function owed_ms()
-  local scale = tonumber(ARGV[5]) or 1
+_OWED_OF = """
+local function owed_of(key, scale)
+  scale = tonumber(scale) or 1
   if scale <= 0 then scale = 1 end
-  local t = redis.call('HGETALL', KEYS[3])
+  local t = redis.call('HGETALL', key)
   local owed = 0
   for i = 2, #t, 2 do
     local b = cjson.decode(t[i])
@@ -257,9 +257,17 @@ local function owed_ms()
     local left = (tonumber(b['predicted_ms']) or 0) - el
     if left > 0 then owed = owed + left end
   end
-  return string.format('%.3f', owed)
+  return owed
 end
 """
+_OWED_MS = (
+    _OWED_OF
+    + """
+local function owed_ms()
+  return string.format('%.3f', owed_of(KEYS[3], ARGV[5]))
+end
+"""
+)
 
 # KEYS: queue STREAM, queued_ms STRING, ledger HASH; ARGV: max_len, predicted_ms, meta (JSON),
 # ids (packed int32), time_scale[, keys (packed uint64, `handoff.pack_keys`; '' or absent: none)]
@@ -292,8 +300,9 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 
 # The hand-off with power of two choices on fresh load (FLEXLB_FRESH_PICK; issue 15): the origin
 # names its policy's pick A and runner-up B, and for each the policy's utility as a line in that
-# worker's live (queued ms, owed ms): u = u0 + cq * queued + co * owed (`routing_inputs.FreshPair`,
-# which computes the terms and checks the policy is linear in them). The script reads both workers'
+# worker's live (queued ms, owed ms): u = u0 + cq * queued + co * owed + hw * max(0, hc + queued +
+# owed) — a line and at most one hinge, a budget scorer's (`routing_inputs.FreshPair`, which
+# computes the terms and checks the policy has that shape). The script reads both workers'
 # queued ms and ledgers now, every replica's hand-offs and owners' commits included, ranks the two
 # as the policy's `best` picker would (the higher utility; within the band max(sign * best *
 # tie_pct, tie_abs) both are tied and the origin's pre-drawn tie winner goes) and hands off to the
@@ -312,21 +321,8 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 #    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
 HANDOFF_PICK = (
     _NOW_MS
+    + _OWED_OF
     + """
-local function owed_of(key, scale)
-  scale = tonumber(scale) or 1
-  if scale <= 0 then scale = 1 end
-  local t = redis.call('HGETALL', key)
-  local owed = 0
-  for i = 2, #t, 2 do
-    local b = cjson.decode(t[i])
-    local el = (now_ms - (tonumber(b['start_ms']) or now_ms)) / scale
-    if el < 0 then el = 0 end
-    local left = (tonumber(b['predicted_ms']) or 0) - el
-    if left > 0 then owed = owed + left end
-  end
-  return owed
-end
 local max_len = tonumber(ARGV[1])
 local qa = tonumber(redis.call('GET', KEYS[2]) or '0')
 local qb = tonumber(redis.call('GET', KEYS[5]) or '0')
