@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -259,3 +260,23 @@ def workers_reset(worker_pool: dict[str, list[WorkerProc]]) -> Iterator[dict[str
     reset_all()
     yield worker_pool
     reset_all()
+
+
+async def handoff_rig(redis_url: str, prefix: str, address: str) -> tuple[Any, str, Any, Any, Any]:
+    """A hand-off queue for the prefill worker at ``address`` under a fresh cluster prefix: the
+    owner tests' common start on a real Redis, as (keys, worker id, client, store, handoff); the
+    caller closes the client."""
+    import redis.asyncio as aioredis
+
+    from app.state.handoff import Handoff
+    from app.state.keys import Keys
+    from app.state.store import StateStore
+
+    keys = Keys(f"{prefix}-{uuid.uuid4().hex[:6]}")
+    wid = f"prefill@{address}"
+    r = aioredis.from_url(redis_url)
+    store = StateStore(r, keys)
+    await store.load_scripts()
+    handoff = Handoff(store)
+    await handoff.ensure_group(wid)
+    return keys, wid, r, store, handoff

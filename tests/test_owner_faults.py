@@ -15,9 +15,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from app.cluster.leases import Lease, acquire_leases
 from app.cluster.reconciler import Reconciler
 from app.dispatch.owner import OwnerDispatcher
-from app.state.handoff import GROUP, Handoff, pack_tokens
+from app.state.handoff import GROUP, pack_tokens
 from app.state.keys import Keys
 from app.state.store import StateStore
+
+from .conftest import handoff_rig
 
 
 # ---- the reconciler cancels a dead origin's engine work -----------------------------------------
@@ -106,13 +108,7 @@ async def test_a_claim_that_fails_part_way_is_taken_up_again(clients, shared_emb
     p = clients["prefill"][0]
     await p.configure(formula="5")
     epoch = (await p.status())["epoch"]
-    keys = Keys(f"t-claim-{uuid.uuid4().hex[:6]}")
-    wid = f"prefill@{p.address}"
-    r = aioredis.from_url(shared_embedded_redis)
-    store = StateStore(r, keys)
-    await store.load_scripts()
-    handoff = Handoff(store)
-    await handoff.ensure_group(wid)
+    keys, wid, r, store, handoff = await handoff_rig(shared_embedded_redis, "t-claim", p.address)
     rids = [f"cl-{uuid.uuid4().hex[:8]}" for _ in range(5)]
     for rid in rids:
         meta = {"rid": rid, "origin": "gw-origin", "pred": 5.0}

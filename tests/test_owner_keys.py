@@ -19,6 +19,8 @@ from app.state.handoff import GROUP, Handoff, pack_keys, pack_tokens, unpack_key
 from app.state.keys import Keys
 from app.state.store import StateStore
 
+from .conftest import handoff_rig
+
 
 def _prompt(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(32, 127, size=n, dtype=np.int32)
@@ -85,13 +87,7 @@ async def test_owner_sends_carried_keys_and_hashes_entries_without_them(
     d = await p.describe()
     bs = int(d["block_size"])
     space = namespace_seed(str(d["model_name"]), str(d["tokenizer"]), bs)
-    keys = Keys(f"t-okeys-{uuid.uuid4().hex[:6]}")
-    wid = f"prefill@{p.address}"
-    r = aioredis.from_url(shared_embedded_redis)
-    store = StateStore(r, keys)
-    await store.load_scripts()
-    handoff = Handoff(store)
-    await handoff.ensure_group(wid)
+    keys, wid, r, store, handoff = await handoff_rig(shared_embedded_redis, "t-okeys", p.address)
     names = ("carried", "decoy", "plain", "other", "fresh")
     prompts = {name: _prompt(seed, bs * 3) for seed, name in enumerate(names)}
 
