@@ -267,6 +267,13 @@ def scheduling() -> dict:
             ),
             ts("Queue length per worker", ("max by (worker) (flexlb_worker_queue_len)", "{{worker}}")),
             ts(
+                "Fresh-pick moves per replica",
+                (rate("flexlb_fresh_pick_moved_total", "instance"), "{{instance}}"),
+                unit="ops",
+                description="Hand-offs sent to the policy's runner-up, ranked above its pick on live load "
+                "(FLEXLB_FRESH_PICK); 0 when off, about half the hand-offs where the two are near-tied",
+            ),
+            ts(
                 "Lease changes",
                 (f"sum by (kind, change) (increase(flexlb_lease_changes_total[{R}]))", "{{kind}} {{change}}"),
             ),
