@@ -123,7 +123,7 @@ def record_decisions(make_prefill: Callable[..., Any], make_decode: Callable[...
 
 
 # `cost` as the old strategy class defined it: finish time alone. The built-in `cost` has since
-# valued a cached prefix beyond this request's own saving (policy.CACHE_VALUE, an intended
+# valued a cached prefix beyond this request's own saving (policy_defs.CACHE_VALUE, an intended
 # decision change); the plugins must still reproduce the old class exactly when composed as it was.
 GREEDY_COST = PolicyDef(
     "cost",
