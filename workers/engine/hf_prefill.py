@@ -103,7 +103,7 @@ class HfPrefillEngine(PrefillEngine):
     def fetch(self, request_id: str, now: float) -> tuple[str, HeldKv | None, list[Effect]]:
         """Hand over a pinned handle's KV and release it (the same statuses as `release`)."""
         effects = self.advance_to(now)
-        held = self._held_kv.get(request_id) if request_id in self._pinned else None
+        held = self._held_kv.get(request_id) if request_id in self.handles else None
         status, more = self.release(request_id, now)
         return status, held if status == EngineStatus.OK else None, effects + more
 
@@ -265,7 +265,7 @@ class HfPrefillEngine(PrefillEngine):
                 continue
             first, kv, sampling = out
             self._held_kv[e.request_id] = HeldKv(e.request_id, kv, first, sampling)
-            for i, key in enumerate(self._pinned[e.request_id].keys):
+            for i, key in enumerate(self.handles.pinned[e.request_id].keys):
                 if key not in self._blocks:
                     self._blocks[key] = kv[:, :, :, i * bs : (i + 1) * bs].clone()
         self._sync_blocks()

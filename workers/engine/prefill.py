@@ -11,7 +11,6 @@ of room that expiring handles will free.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import OrderedDict, deque
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ from app.scheduling.formula import BatchItem
 
 from .effects import BatchDone, BatchStarted, Effect, ExitRequested, KvReleased, PrefillResult
 from .faults import Faults
+from .kv_handles import KvHandles
 from .prefill_state import INF, Batch, Member, Pinned, PrefillRequest, SubmitOutcome
 from .prefix_cache import CacheDiff, PrefixCache
 from .profiles import EngineProfile
@@ -59,14 +59,8 @@ class PrefillEngine:
         self._running: Batch | None = None
         self._batches: OrderedDict[str, Batch] = OrderedDict()  # every known batch id (bounded)
         self._req_batch: dict[str, str] = {}  # live request id -> batch id
-        self._held = 0
-        self._pinned: dict[str, Pinned] = {}
-        # (expiry, request id) of every pin, popped lazily once its pin is gone or was replaced, and
-        # the pinned tokens held outside the cache: so the next expiry and the KV view cost O(1)
-        # instead of a pass over every pinned request (the simulator asks after every event).
-        self._pin_heap: list[tuple[float, str]] = []
-        self._pinned_outside = 0
-        self._expired: OrderedDict[str, float] = OrderedDict()  # request id -> when (bounded)
+        self._held = 0  # tokens outside the cache: the running batch's compute and pinned tails
+        self.handles = KvHandles(self.cache, history_limit)
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # id -> expiry
         self.history: deque[PrefillResult] = deque()
         self._exit_sent = False
@@ -100,7 +94,7 @@ class PrefillEngine:
                 status, err = EngineStatus.TOO_LONG, f"{r.input_tokens} tokens exceed capacity {limit}"
             elif len(r.block_keys) != r.input_tokens // self.block_size:
                 status, err = EngineStatus.INVALID, "block_keys do not match input length"
-            elif r.request_id in members or r.request_id in self._req_batch or r.request_id in self._pinned:
+            elif r.request_id in members or r.request_id in self._req_batch or r.request_id in self.handles:
                 status, err = EngineStatus.DUPLICATE, "request id already live on this engine"
             elif self._tombstoned(r.request_id):
                 status, err = EngineStatus.CANCELLED, "cancelled before arrival"
@@ -136,7 +130,7 @@ class PrefillEngine:
         if bid is not None:
             effects.extend(self._cancel_member(self._batches[bid], some_id))
             return "cancelled", effects
-        if some_id in self._pinned:
+        if some_id in self.handles:
             effects.append(self._unpin(some_id, "cancelled"))
             effects.extend(self._pump())
             return "released", effects
@@ -147,11 +141,11 @@ class PrefillEngine:
     def release(self, request_id: str, now: float) -> tuple[str, list[Effect]]:
         """Decode fetched the KV: unpin it. Answers kv_expired if the handle already lapsed."""
         effects = self.advance_to(now)
-        if request_id in self._pinned:
+        if request_id in self.handles:
             effects.append(self._unpin(request_id, "released"))
             effects.extend(self._pump())
             return EngineStatus.OK, effects
-        if request_id in self._expired:
+        if self.handles.expired(request_id):
             return EngineStatus.KV_EXPIRED, effects
         return EngineStatus.UNKNOWN, effects
 
@@ -188,15 +182,14 @@ class PrefillEngine:
         for b in [*([self._running] if self._running else []), *self._queue]:
             for rid in list(b.members):
                 effects.extend(self._cancel_member(b, rid))
-        for rid in list(self._pinned):
+        for rid in list(self.handles.pinned):
             effects.append(self._unpin(rid, "reset"))
         self.cache.clear()
         self._queue.clear()
         self._running = None
         self._held = 0
-        self._pin_heap.clear()
+        self.handles.clear()
         self._tombstones.clear()
-        self._expired.clear()
         self._exit_sent = False
         self.batches_done = 0
         self.faults = Faults()
@@ -211,21 +204,10 @@ class PrefillEngine:
         t = INF
         if self._running is not None:
             t = self._running.end_ms
-        exp = self._next_expiry()
+        exp = self.handles.next_expiry()
         if exp is not None and exp < t:
             t = exp
         return None if t == INF else t
-
-    def _next_expiry(self) -> float | None:
-        heap = self._pin_heap
-        pinned = self._pinned
-        while heap:
-            exp, rid = heap[0]
-            p = pinned.get(rid)
-            if p is not None and p.expiry_ms == exp:
-                return exp
-            heapq.heappop(heap)
-        return None
 
     def advance_to(self, t: float) -> list[Effect]:
         effects: list[Effect] = []
@@ -239,11 +221,7 @@ class PrefillEngine:
             self.now = max(self.now, nxt)
             if self._running is not None and self._running.end_ms <= nxt:
                 effects.extend(self._complete(self._running))
-            while True:
-                exp = self._next_expiry()
-                if exp is None or exp > self.now:
-                    break
-                _, rid = heapq.heappop(self._pin_heap)
+            while (rid := self.handles.pop_due(self.now)) is not None:
                 effects.append(self._unpin(rid, "expired"))
             effects.extend(self._pump())
         self.now = max(self.now, t)
@@ -252,7 +230,7 @@ class PrefillEngine:
     # ---- views ---------------------------------------------------------------------------
     def kv_view(self) -> dict[str, int]:
         used = self.cache.used_tokens + self._held
-        pinned = self.cache.pinned_tokens + self._pinned_outside
+        pinned = self.cache.pinned_tokens + self.handles.outside_tokens
         return {
             "kv_total_tokens": self.capacity,
             "kv_free_tokens": max(0, self.capacity - used),
@@ -296,7 +274,7 @@ class PrefillEngine:
         return total
 
     def pinned_ids(self) -> list[str]:
-        return list(self._pinned)
+        return list(self.handles.pinned)
 
     # ---- internals -----------------------------------------------------------------------
     def _position(self, b: Batch) -> int:
@@ -403,9 +381,7 @@ class PrefillEngine:
             outside = m.req.input_tokens - len(present) * self.block_size
             self._held += outside
             expiry = self.now + self.kv_handle_ttl_ms
-            self._pinned[rid] = Pinned(present, outside, expiry)
-            self._pinned_outside += outside
-            heapq.heappush(self._pin_heap, (expiry, rid))
+            self.handles.pin(rid, Pinned(present, outside, expiry))
             effects.append(
                 self._finish(
                     b.batch_id,
@@ -462,14 +438,7 @@ class PrefillEngine:
         return effects
 
     def _unpin(self, rid: str, reason: str) -> KvReleased:
-        p = self._pinned.pop(rid)
-        self._pinned_outside -= p.outside_tokens
-        self.cache.unpin(p.keys)
-        self._held -= p.outside_tokens
-        if reason == "expired":
-            self._expired[rid] = self.now
-            while len(self._expired) > self.history_limit * 4:
-                self._expired.popitem(last=False)
+        self._held -= self.handles.unpin(rid, reason, self.now).outside_tokens
         return KvReleased(rid, reason, self.now)
 
     def _finish(
