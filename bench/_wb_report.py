@@ -6,7 +6,8 @@ from math import nan
 from typing import Any
 
 from _harness import console, table
-from _wb_ops import DELIVERY_TARGET, OVERHEAD_TARGET_MS
+from _wb_decode import DELIVERY_TARGET
+from _wb_ops import OVERHEAD_TARGET_MS
 
 
 def _cores(d: dict[str, Any]) -> str:

@@ -34,13 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from _harness import DEFAULT_OUT, Proc, console, json_safe, start_workers, stop_on_sigterm
-from _wb_ops import (
-    CoreMeter,
-    _brief_status,
-    decode_delivery,
-    prefill_overhead,
-    prefill_throughput,
-)
+from _wb_decode import decode_delivery
+from _wb_ops import CoreMeter, brief_status, prefill_overhead, prefill_throughput
 from _wb_paths import direct_paths
 from _wb_report import render, summary_md
 
@@ -116,7 +111,7 @@ async def run_all(
                     ),
                 )
             with contextlib.suppress(Exception):
-                results["prefill_worker_status"] = _brief_status(await pc.status())
+                results["prefill_worker_status"] = brief_status(await pc.status())
         finally:
             await pc.close()
     if decode is not None:
@@ -145,7 +140,7 @@ async def run_all(
 
             await section("decode_delivery", decode_all)
             with contextlib.suppress(Exception):
-                results["decode_worker_status"] = _brief_status(await dc.status())
+                results["decode_worker_status"] = brief_status(await dc.status())
         finally:
             await dc.close()
 
