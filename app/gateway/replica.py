@@ -57,6 +57,12 @@ from app.tokens.tokenizer import load_tokenizer
 __all__ = ["BATCHER_KEYS", "Replica", "batcher_config_from", "default_replica_id"]
 
 log = logging.getLogger("flexlb.replica")
+# The refresh loop's cadence while a registered worker has no snapshot yet, where the poll interval
+# is longer: /readyz turns ready once the owners' first polls are read, not one whole interval later
+# (30 s with FLEXLB_POLL_INTERVAL_MS=30000; tests/test_fresh_pick.py waited that long). Never more
+# often than the default 200 ms interval refreshes anyway, and only while a snapshot is missing
+# (start-up, a worker just added, or one nobody owns).
+FIRST_SNAPSHOT_REFRESH_S = 0.2
 
 
 def default_replica_id() -> str:
@@ -427,7 +433,8 @@ class Replica:
             except Exception as exc:  # keep the last views; count, back off, retry
                 await self.loops.failed("refresh", exc)
                 continue
-            await asyncio.sleep(interval)
+            missing = self.views.awaiting_first_snapshot()
+            await asyncio.sleep(min(interval, FIRST_SNAPSHOT_REFRESH_S) if missing else interval)
 
     async def _redis_watch(self) -> None:
         """fail_closed: keep a verdict on Redis for /readyz and the request path, and detect a

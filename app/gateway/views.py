@@ -50,6 +50,10 @@ class WorkerViews:
     def worker_up(self, wid: str) -> bool:
         return self.snapshots.get(wid, {}).get("health") == "up"
 
+    def awaiting_first_snapshot(self) -> bool:
+        """Some registered worker has no owner snapshot yet (just started, or just added)."""
+        return any(not self.snapshots.get(w) for w in self.workers)
+
     def client(self, wid: str) -> WorkerClient:
         c = self.clients.get(wid)
         if c is None:
