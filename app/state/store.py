@@ -225,7 +225,7 @@ class StateStore:
         """
         expected = f"{lease_holder}|{fence}"
         if fence <= 0:
-            # Fence 0 marks a lease acquisition still in progress (app/cluster/leases.py): nobody
+            # Fence 0 marks a lease acquisition still in progress (app/cluster/fenced_lease.py): nobody
             # acts under it. We refuse it here, without a round trip.
             raise FencedOut(wid, expected, "")
         uniq = list(dict.fromkeys(members))
