@@ -292,11 +292,14 @@ def setup_cluster(
     cluster: str,
     procs: list[Proc],
     results: dict,
+    workers: list[Proc] | None = None,
 ) -> tuple[list[Gateway], list[Proc]]:
-    """Workers, then `--replicas` worker-less replicas; workers registered once all are live."""
-    console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")
-    workers = start_gateway_workers(["prefill"] * args.prefill + ["decode"] * args.decode, log_dir)
-    procs.extend(workers)
+    """Workers (unless given: bench/router_overhead.py runs two clusters over one pair), then
+    `--replicas` worker-less replicas; workers registered once all are live."""
+    if workers is None:
+        console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")
+        workers = start_gateway_workers(["prefill"] * args.prefill + ["decode"] * args.decode, log_dir)
+        procs.extend(workers)
     worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
     results["workers"] = {
         wid: {"epoch": w.info["epoch"], "startup_s": w.info.get("startup_s")}

@@ -109,6 +109,7 @@ class Bench:
         self.incidents: list[dict[str, Any]] = []
         self._dead: set[int] = set()
         self.idle_gw_cores = 0.0  # the gateways' background loops, from `idle_rate`
+        self.idle_redis_cores = 0.0  # Redis serving them (heartbeats, polls, blocking reads)
 
     def phase(self, name: str, fn: Any, *args: Any) -> Any:
         """Run one measured phase: settle first, then note whether a process died during it."""
@@ -202,6 +203,8 @@ class Bench:
             for a, b in zip(s0, s1, strict=True)
         ]
         self.idle_gw_cores = (c1["gateways"] - c0["gateways"]) / (t1 - t0)
+        if self.redis_cpu is not None:
+            self.idle_redis_cores = (c1["redis"] - c0["redis"]) / (t1 - t0)
         return {
             **self.cores(c0, c1),
             "window_s": r3(t1 - t0),
@@ -316,6 +319,11 @@ class Bench:
             # the gateways are idle while the direct requests run: all their CPU is the n requests'
             "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / len(g)) if g else None,
             "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / len(g)) if g else None,
+            "redis_cpu_ms_per_req_net": r3(
+                (c1["redis"] - c0["redis"] - self.idle_redis_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
+            )
+            if g
+            else None,
             "gateway_cpu_ms_per_req_net": r3(
                 (c1["gateways"] - c0["gateways"] - self.idle_gw_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
             )
@@ -371,6 +379,19 @@ class Bench:
         return rows
 
 
+def stop_procs(procs: list[Proc]) -> dict[str, dict[str, Any]]:
+    """Stop every process started here, gateways first (they leave the cluster cleanly), each
+    group in parallel; returns each one's exit code, stop time and whether it hung."""
+    exits: dict[str, dict[str, Any]] = {}
+    gw_procs = [p for p in procs if p.name.startswith("gateway")]
+    others = [p for p in procs if not p.name.startswith("gateway")]
+    for group in (gw_procs, others):
+        with ThreadPoolExecutor(max(1, len(group))) as ex:
+            for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
+                exits[f"{p.name} {p.pid}"] = {"rc": rc, "stop_s": p.stop_s, "hung": p.hung}
+    return exits
+
+
 def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], log_dir: Path) -> None:
     plan = make_plan(args)
     cluster = f"bench-{uuid.uuid4().hex[:8]}"
@@ -424,21 +445,7 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         if bench is not None:
             results["incidents"] = bench.incidents
             bench.close()
-        exits: dict[str, dict[str, Any]] = {}
-        gw_procs = [p for p in procs if p.name.startswith("gateway")]
-        others = [p for p in procs if not p.name.startswith("gateway")]
-        for group in (
-            gw_procs,
-            others,
-        ):  # gateways first: they leave the cluster cleanly
-            with ThreadPoolExecutor(max(1, len(group))) as ex:
-                for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
-                    exits[f"{p.name} {p.pid}"] = {
-                        "rc": rc,
-                        "stop_s": p.stop_s,
-                        "hung": p.hung,
-                    }
-        results["shutdown"] = exits
+        results["shutdown"] = stop_procs(procs)
         if emb is not None:
             emb.stop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
