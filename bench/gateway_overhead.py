@@ -302,6 +302,11 @@ class Bench:
         c1 = self.cpu()
         s1 = self.stats(True)
         g, d = res["gateway_ms"], res["direct_ms"]
+
+        def per_req(what: str, idle_cores: float = 0.0) -> float | None:  # net of the idle loops
+            cpu_s = c1[what] - c0[what] - idle_cores * (c1["t"] - c0["t"])
+            return r3(cpu_s * 1000 / len(g)) if g else None
+
         origin = self.samples(s1, "origin_overhead_s")
         handoff = self.samples(s1, "handoff_latency_s")
         return {
@@ -317,18 +322,10 @@ class Bench:
             "unloaded_origin_p50_ms": r3(pct(origin, 50)),
             "unloaded_handoff_p50_ms": r3(pct(handoff, 50)),
             # the gateways are idle while the direct requests run: all their CPU is the n requests'
-            "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / len(g)) if g else None,
-            "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / len(g)) if g else None,
-            "redis_cpu_ms_per_req_net": r3(
-                (c1["redis"] - c0["redis"] - self.idle_redis_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
-            )
-            if g
-            else None,
-            "gateway_cpu_ms_per_req_net": r3(
-                (c1["gateways"] - c0["gateways"] - self.idle_gw_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
-            )
-            if g
-            else None,
+            "gateway_cpu_ms_per_req": per_req("gateways"),
+            "redis_cpu_ms_per_req": per_req("redis"),
+            "redis_cpu_ms_per_req_net": per_req("redis", self.idle_redis_cores),
+            "gateway_cpu_ms_per_req_net": per_req("gateways", self.idle_gw_cores),
             **self.cores(c0, c1),
         }
 
