@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -310,11 +311,27 @@ def setup_cluster(
     token = secrets.token_urlsafe(18)
     console.print(f"starting gateway replicas {', '.join(ids)}...")
     gws: list[Gateway] = []
-    for rid in ids:
-        level = args.gateway_log_level
-        gw = start_gateway(log_dir, redis_url, cluster, rid, token, level, args.gateway_procs)
-        gws.append(gw)
-        procs.append(gw.proc)
+    with ThreadPoolExecutor(len(ids)) as ex:  # each takes seconds to import and start: in parallel
+        futs = [
+            ex.submit(
+                start_gateway,
+                log_dir,
+                redis_url,
+                cluster,
+                rid,
+                token,
+                args.gateway_log_level,
+                args.gateway_procs,
+            )
+            for rid in ids
+        ]
+        for f in futs:  # every started one is kept, so the caller stops it whatever failed
+            if f.exception() is None:
+                gws.append(f.result())
+                procs.append(gws[-1].proc)
+    for f in futs:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
     wait_for(
         lambda: all(
             len(g.get("/admin/leases", admin=True).json()["live_replicas"]) >= len(every) for g in gws

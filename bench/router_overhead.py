@@ -36,6 +36,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workers",
         default=None,
         help="FlexLB over these running workers instead of starting two: prefill@HOST:PORT=PID,"
-        "decode@HOST:PORT=PID (the PID for their CPU and liveness; tests/ pass the session pool's)",
+        "decode@HOST:PORT=PID (the PID for their CPU and liveness; tests/ pass the session pool's); "
+        "they are configured to the bench's zero-time engine (formula 0, time scale 0.001, long KV TTL)",
     )
     p.add_argument(
         "--gateway-log-level", default="INFO", help="FlexLB gateways' --log-level (product default)"
@@ -135,10 +137,10 @@ def external_workers(spec: str) -> list[Proc]:
     epoch from the worker's own status)."""
     from app.rpc.worker_client import WorkerClient
 
-    async def status(address: str) -> dict[str, Any]:
+    async def call(address: str, op: str, **kw: Any) -> dict[str, Any]:
         c = WorkerClient(address)
         try:
-            return await c.status()
+            return await getattr(c, op)(**kw)  # type: ignore[no-any-return]
         finally:
             await c.close()
 
@@ -148,10 +150,12 @@ def external_workers(spec: str) -> list[Proc]:
         address, _, pid = rest.partition("=")
         if role not in ("prefill", "decode") or not address or not pid.isdigit():
             raise ValueError(f"--workers: {item!r} is not ROLE@HOST:PORT=PID")
-        st = asyncio.run(status(address))
+        st = asyncio.run(call(address, "status"))
         popen: Any = _Running(int(pid))
         info = {"role": role, "address": address, "epoch": st["epoch"]}
         out.append(Proc(f"{role} worker (given)", popen, Path("/dev/null"), info=info, role=role))
+    for w in out:  # the engine arguments of the bench's own workers (WORKER_ARGS, KV_TTL_ARGS)
+        asyncio.run(call(w.address, "configure", formula="0", time_scale=0.001, kv_handle_ttl_ms=1e7))
     return out
 
 
@@ -170,16 +174,21 @@ def start(
             console.print("starting 1 prefill + 1 decode Triton worker...")
             workers = start_flexlb_workers(["prefill", "decode"], log_dir)
             procs.extend(workers)
-        for s in flex:
-            cluster = f"ro-{uuid.uuid4().hex[:8]}"
-            emb = start_embedded_redis(cluster, idle_s=600)
+
+        def cluster(s: str) -> Bench:
+            name = f"ro-{uuid.uuid4().hex[:8]}"
+            emb = start_embedded_redis(name, idle_s=600)
             results["redis"].append(emb)
             sub: dict[str, Any] = {}
-            gws, _ = setup_cluster(
-                flexlb_cluster_args(a, FLEXLB[s]), log_dir, emb.url, cluster, procs, sub, workers
-            )
+            args = flexlb_cluster_args(a, FLEXLB[s])
+            gws, _ = setup_cluster(args, log_dir, emb.url, name, procs, sub, workers)
             results["systems"][s] = {"ownership": sub["ownership"]}
-            benches[s] = Bench(plan, gws, workers, emb.pid)
+            return Bench(plan, gws, workers, emb.pid)
+
+        with ThreadPoolExecutor(len(flex)) as ex:  # the clusters start in parallel (seconds each)
+            futs = {s: ex.submit(cluster, s) for s in flex}
+        for s, f in futs.items():
+            benches[s] = f.result()
     peers = [s for s in a.systems if s in PEERS]
     if peers:
         if a.install_peers:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import ROOT, WorkerProc, worker_call
+from .conftest import ROOT, WorkerProc
 
 pytestmark = pytest.mark.triton
 
@@ -21,9 +21,7 @@ pytestmark = pytest.mark.triton
 def test_router_overhead_quick_flexlb_rows(
     workers_reset: dict[str, list[WorkerProc]], tmp_path: Path
 ) -> None:
-    pre, dec = workers_reset["prefill"][0], workers_reset["decode"][0]
-    for w in (pre, dec):  # near zero-time engines, as the bench's own workers (reset puts them back)
-        assert worker_call(w.address, "configure", time_scale=0.001)["ok"]
+    pre, dec = workers_reset["prefill"][0], workers_reset["decode"][0]  # the bench configures them
     spec = f"prefill@{pre.address}={pre.proc.pid},decode@{dec.address}={dec.proc.pid}"
     out = tmp_path / "ro"
     argv = ["--quick", "--workers", spec, "--e2e-n", "10", "--closed-s", "1", "--output", str(out)]
