@@ -370,6 +370,13 @@ class LoadGen:
             raise RuntimeError(f"load generator: {op} failed: {reply['error']}")
         return reply["result"]  # type: ignore[no-any-return]
 
+    def warm(self, urls: list[str], n: int, seed: int, api: str = "flexlb") -> dict[str, int]:
+        """`n` sequential requests of the benchmarks' shape (a warm-up); their outcome codes."""
+        from _gw_cluster import MAX_NEW_TOKENS, PROMPT_TOKENS  # the parent's import, not the child's
+
+        args = {"urls": urls, "n": n, "n_tokens": PROMPT_TOKENS, "max_new": MAX_NEW_TOKENS, "seed": seed}
+        return dict(self.call("sequential", 120, **args, api=api)["codes"])
+
     def stop(self) -> None:
         with contextlib.suppress(Exception):
             self.conn.send(None)

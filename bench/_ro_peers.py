@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 from _gw_cluster import KV_TTL_ARGS, MAX_NEW_TOKENS, PROMPT_TOKENS, WORKER_ARGS, Plan, wait_for
 from _gw_loadgen import REQUEST_TIMEOUT_S, LoadGen
+from _gw_report import e2e_latency, errors_of
 from _harness import ROOT, CpuMeter, Proc, console, pct, r3
-from gateway_overhead import errors_of
 
 from app.netports import free_port
 
@@ -149,19 +149,6 @@ class PeerBench:
             if p.popen.poll() is not None:
                 raise RuntimeError(f"{p.name} exited rc={p.popen.returncode}: {p.log_tail(600)}")
 
-    def warm(self, n: int, seed: int) -> dict[str, int]:
-        res = self.lg.call(
-            "sequential",
-            120,
-            urls=[self.url],
-            n=n,
-            n_tokens=PROMPT_TOKENS,
-            max_new=MAX_NEW_TOKENS,
-            seed=seed,
-            api="completions",
-        )
-        return dict(res["codes"])
-
     def idle_rate(self) -> dict[str, float]:
         c0 = self.cpu()
         time.sleep(self.plan.idle_s)
@@ -187,7 +174,7 @@ class PeerBench:
             also="vllm_calls" if self.kind == "vllm" else None,
         )
         c1 = self.cpu()
-        g, d, also = res["gateway_ms"], res["direct_ms"], res["also_ms"]
+        g, also = res["gateway_ms"], res["also_ms"]
         cpu_s = c1["router"] - c0["router"]
         extra = {}
         if also:  # the router's own cost with its extra calls' answers taken as the workers'
@@ -199,14 +186,7 @@ class PeerBench:
             }
         return extra | {
             "n": p.e2e_n,
-            "gateway_p50_ms": r3(pct(g, 50)),
-            "gateway_p99_ms": r3(pct(g, 99)),
-            "direct_p50_ms": r3(pct(d, 50)),
-            "direct_p99_ms": r3(pct(d, 99)),
-            "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
-            "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
-            "gateway_errors": errors_of(res["gateway_codes"]),
-            "direct_errors": errors_of(res["direct_codes"]),
+            **e2e_latency(res),
             "gateway_cpu_ms_per_req": r3(cpu_s * 1000 / len(g)) if g else None,
             "gateway_cpu_ms_per_req_net": r3((cpu_s - self.idle_cores * (c1["t"] - c0["t"])) * 1000 / len(g))
             if g

@@ -67,7 +67,7 @@ from _gw_cluster import (
     wait_for,
 )
 from _gw_loadgen import OPEN_LOOP_MAX_INFLIGHT, REQUEST_TIMEOUT_S, LoadGen
-from _gw_report import render, summary_md
+from _gw_report import e2e_latency, errors_of, render, summary_md
 from _harness import (
     CpuMeter,
     Proc,
@@ -78,11 +78,6 @@ from _harness import (
     stop_on_sigterm,
 )
 from gw_profile import Profiler
-
-
-# ---- statistics ---------------------------------------------------------------------------------
-def errors_of(codes: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in sorted(codes.items()) if k != "ok"}
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -301,7 +296,7 @@ class Bench:
             )
         c1 = self.cpu()
         s1 = self.stats(True)
-        g, d = res["gateway_ms"], res["direct_ms"]
+        g = res["gateway_ms"]
 
         def per_req(what: str, idle_cores: float = 0.0) -> float | None:  # net of the idle loops
             cpu_s = c1[what] - c0[what] - idle_cores * (c1["t"] - c0["t"])
@@ -311,14 +306,7 @@ class Bench:
         handoff = self.samples(s1, "handoff_latency_s")
         return {
             "n": p.e2e_n,
-            "gateway_p50_ms": r3(pct(g, 50)),
-            "gateway_p99_ms": r3(pct(g, 99)),
-            "direct_p50_ms": r3(pct(d, 50)),
-            "direct_p99_ms": r3(pct(d, 99)),
-            "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
-            "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
-            "gateway_errors": errors_of(res["gateway_codes"]),
-            "direct_errors": errors_of(res["direct_codes"]),
+            **e2e_latency(res),
             "unloaded_origin_p50_ms": r3(pct(origin, 50)),
             "unloaded_handoff_p50_ms": r3(pct(handoff, 50)),
             # the gateways are idle while the direct requests run: all their CPU is the n requests'
@@ -407,17 +395,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         with contextlib.suppress(Exception):
             results["runtime_config"] = gws[0].get("/admin/config", admin=True).json().get("config")
         bench = Bench(plan, gws, workers, emb.pid if emb else None, args.py_spy)
-        warm = bench.lg.call(
-            "sequential",
-            120,
-            urls=bench.urls,
-            n=plan.warmup,
-            n_tokens=PROMPT_TOKENS,
-            max_new=MAX_NEW_TOKENS,
-            seed=args.seed,
-        )
-        results["warmup"] = warm["codes"]
-        console.print(f"warm-up: {warm['codes']}; idle window {plan.idle_s:g} s...")
+        results["warmup"] = bench.lg.warm(bench.urls, plan.warmup, args.seed)
+        console.print(f"warm-up: {results['warmup']}; idle window {plan.idle_s:g} s...")
         idle = bench.idle_rate()
         results["idle"] = idle
         console.print(

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _gw_cluster import FULL, KV_TTL_ARGS, MAX_NEW_TOKENS, PROMPT_TOKENS, WORKER_ARGS, setup_cluster
+from _gw_cluster import FULL, KV_TTL_ARGS, WORKER_ARGS, setup_cluster
 from _gw_cluster import start_gateway_workers as start_flexlb_workers
 from _gw_loadgen import LoadGen
 from _harness import ROOT, Proc, console, json_safe, stop_on_sigterm
@@ -201,19 +201,8 @@ def start(
             benches[s] = PeerBench(s, plan, router, url, facades, lg)
             results["systems"][s] = {"url": url}
     for s, b in benches.items():
-        if isinstance(b, Bench):
-            warm = b.lg.call(
-                "sequential",
-                120,
-                urls=b.urls,
-                n=plan.warmup,
-                n_tokens=PROMPT_TOKENS,
-                max_new=MAX_NEW_TOKENS,
-                seed=a.seed,
-            )["codes"]
-        else:
-            warm = b.warm(plan.warmup, a.seed)
-        results["systems"][s]["warmup"] = warm
+        urls, api = (b.urls, "flexlb") if isinstance(b, Bench) else ([b.url], "completions")
+        results["systems"][s]["warmup"] = b.lg.warm(urls, plan.warmup, a.seed, api)
     for s, b in benches.items():  # after every warm-up: no start-up work left in any window
         results["systems"][s]["idle"] = b.idle_rate()
     return benches
