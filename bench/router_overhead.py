@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _gw_cluster import FULL, KV_TTL_ARGS, WORKER_ARGS, setup_cluster
+from _gw_cluster import FULL, KV_TTL_ARGS, WORKER_ARGS, Plan, setup_cluster
 from _gw_cluster import start_gateway_workers as start_flexlb_workers
 from _gw_loadgen import LoadGen
 from _harness import ROOT, Proc, console, json_safe, stop_on_sigterm
@@ -98,7 +98,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
-def make_plan(a: argparse.Namespace) -> Any:
+def make_plan(a: argparse.Namespace) -> Plan:
     plan = replace(FULL, open_s=0.0, concurrency=(a.clients,))
     if a.quick:
         plan = replace(plan, **QUICK)
@@ -155,13 +155,15 @@ def external_workers(spec: str) -> list[Proc]:
         info = {"role": role, "address": address, "epoch": st["epoch"]}
         out.append(Proc(f"{role} worker (given)", popen, Path("/dev/null"), info=info, role=role))
     for w in out:  # the engine arguments of the bench's own workers (WORKER_ARGS, KV_TTL_ARGS)
-        asyncio.run(call(w.address, "configure", formula="0", time_scale=0.001, kv_handle_ttl_ms=1e7))
+        r = asyncio.run(call(w.address, "configure", formula="0", time_scale=0.001, kv_handle_ttl_ms=1e7))
+        if not r.get("ok"):
+            raise RuntimeError(f"--workers: {w.address} refused the zero-time configuration: {r}")
     return out
 
 
 def start(
-    a: argparse.Namespace, plan: Any, procs: list[Proc], log_dir: Path, results: dict[str, Any]
-) -> dict:
+    a: argparse.Namespace, plan: Plan, procs: list[Proc], log_dir: Path, results: dict[str, Any]
+) -> dict[str, Any]:
     """Every system's processes, warmed up and with its idle rate measured; system -> bench."""
     from app.state.embedded_redis import start_embedded_redis
 
