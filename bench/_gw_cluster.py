@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -292,11 +293,14 @@ def setup_cluster(
     cluster: str,
     procs: list[Proc],
     results: dict,
+    workers: list[Proc] | None = None,
 ) -> tuple[list[Gateway], list[Proc]]:
-    """Workers, then `--replicas` worker-less replicas; workers registered once all are live."""
-    console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")
-    workers = start_gateway_workers(["prefill"] * args.prefill + ["decode"] * args.decode, log_dir)
-    procs.extend(workers)
+    """Workers (unless given: bench/router_overhead.py runs two clusters over one pair), then
+    `--replicas` worker-less replicas; workers registered once all are live."""
+    if workers is None:
+        console.print(f"starting {args.prefill} prefill + {args.decode} decode workers...")
+        workers = start_gateway_workers(["prefill"] * args.prefill + ["decode"] * args.decode, log_dir)
+        procs.extend(workers)
     worker_ids = [f"{w.info['role']}@{w.info['address']}" for w in workers]
     results["workers"] = {
         wid: {"epoch": w.info["epoch"], "startup_s": w.info.get("startup_s")}
@@ -307,11 +311,27 @@ def setup_cluster(
     token = secrets.token_urlsafe(18)
     console.print(f"starting gateway replicas {', '.join(ids)}...")
     gws: list[Gateway] = []
-    for rid in ids:
-        level = args.gateway_log_level
-        gw = start_gateway(log_dir, redis_url, cluster, rid, token, level, args.gateway_procs)
-        gws.append(gw)
-        procs.append(gw.proc)
+    with ThreadPoolExecutor(len(ids)) as ex:  # each takes seconds to import and start: in parallel
+        futs = [
+            ex.submit(
+                start_gateway,
+                log_dir,
+                redis_url,
+                cluster,
+                rid,
+                token,
+                args.gateway_log_level,
+                args.gateway_procs,
+            )
+            for rid in ids
+        ]
+        for f in futs:  # every started one is kept, so the caller stops it whatever failed
+            if f.exception() is None:
+                gws.append(f.result())
+                procs.append(gws[-1].proc)
+    for f in futs:
+        if f.exception() is not None:
+            raise f.exception()  # type: ignore[misc]
     wait_for(
         lambda: all(
             len(g.get("/admin/leases", admin=True).json()["live_replicas"]) >= len(every) for g in gws

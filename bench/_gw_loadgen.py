@@ -25,9 +25,30 @@ REQUEST_TIMEOUT_S = 30.0
 OPEN_LOOP_MAX_INFLIGHT = 256
 
 
-def _body(rng: np.random.Generator, n_tokens: int, max_new: int) -> bytes:
+# The request dialects: FlexLB's native `/v1/generate` (token ids in, `output_ids` out) and the
+# OpenAI `/v1/completions` that the peer routers take in P/D mode (the same printable-byte prompt as
+# text: the facades' byte tokenizer makes it the same number of tokens; `usage` counts the output).
+API_PATH = {"flexlb": "/v1/generate", "completions": "/v1/completions"}
+PEER_MODEL = "flexlb-sim"  # the facades' default `--model`
+
+
+def _peer_doc(rng: np.random.Generator, n_tokens: int, max_new: int) -> dict[str, Any]:
+    text = bytes(rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.uint8).tolist()).decode()
+    return {"model": PEER_MODEL, "prompt": text, "max_tokens": max_new, "stream": False}
+
+
+def _body(rng: np.random.Generator, n_tokens: int, max_new: int, api: str = "flexlb") -> bytes:
+    if api == "completions":
+        return json.dumps(_peer_doc(rng, n_tokens, max_new)).encode()
     ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens)
     return b'{"input_ids":[' + ",".join(map(str, ids.tolist())).encode() + b'],"max_new_tokens":%d}' % max_new
+
+
+def _n_out(o: dict[str, Any], api: str) -> int:
+    """Tokens generated, as the answer states them."""
+    if api == "completions":
+        return int((o.get("usage") or {}).get("completion_tokens", -1))
+    return len(o.get("output_ids", ()))
 
 
 class _Clients:
@@ -56,10 +77,10 @@ def _client(n: int) -> _Clients:
     return _Clients(n)
 
 
-async def _one(client: _Clients, url: str, body: bytes, max_new: int) -> str:
-    """One native /v1/generate call; the outcome code ('ok' or the error code)."""
+async def _one(client: _Clients, url: str, body: bytes, max_new: int, api: str = "flexlb") -> str:
+    """One call in the `api` dialect; the outcome code ('ok' or the error code)."""
     try:
-        status, raw = await client.pool(url).post("/v1/generate", body)
+        status, raw = await client.pool(url).post(API_PATH[api], body)
     except HttpError as exc:
         return f"transport:{type(exc).__name__}"
     try:
@@ -67,7 +88,7 @@ async def _one(client: _Clients, url: str, body: bytes, max_new: int) -> str:
     except ValueError:
         return "bad_json" if status == 200 else f"http_{status}"
     if status == 200:
-        return "ok" if len(o.get("output_ids", ())) == max_new else "bad_output"
+        return "ok" if _n_out(o, api) == max_new else "bad_output"
     try:
         return str(o["error"]["code"])
     except (KeyError, TypeError):
@@ -129,7 +150,13 @@ async def lg_open_loop(
 
 
 async def lg_closed_loop(
-    urls: list[str], concurrency: int, duration: float, n_tokens: int, max_new: int, seed: int
+    urls: list[str],
+    concurrency: int,
+    duration: float,
+    n_tokens: int,
+    max_new: int,
+    seed: int,
+    api: str = "flexlb",
 ) -> dict[str, Any]:
     """`concurrency` clients, each sending its next request when the previous one answers,
     until `duration` has passed (in-flight requests are then awaited, bounded)."""
@@ -145,9 +172,9 @@ async def lg_closed_loop(
             rng = np.random.default_rng([seed, k])
             url = urls[k % len(urls)]
             while loop.time() < stop_at:
-                body = _body(rng, n_tokens, max_new)
+                body = _body(rng, n_tokens, max_new, api)
                 t = loop.time()
-                code = await _one(client, url, body, max_new)
+                code = await _one(client, url, body, max_new, api)
                 now = loop.time()
                 codes[code] += 1
                 if code == "ok":
@@ -275,12 +302,15 @@ async def lg_e2e(
     }
 
 
-async def lg_sequential(urls: list[str], n: int, n_tokens: int, max_new: int, seed: int) -> dict[str, Any]:
+async def lg_sequential(
+    urls: list[str], n: int, n_tokens: int, max_new: int, seed: int, api: str = "flexlb"
+) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     codes: Counter[str] = Counter()
     async with _client(8) as client:
         for i in range(n):
-            codes[await _one(client, urls[i % len(urls)], _body(rng, n_tokens, max_new), max_new)] += 1
+            body = _body(rng, n_tokens, max_new, api)
+            codes[await _one(client, urls[i % len(urls)], body, max_new, api)] += 1
     return {"codes": dict(codes)}
 
 
@@ -290,6 +320,15 @@ LG_OPS = {
     "e2e": lg_e2e,
     "sequential": lg_sequential,
 }
+
+
+def _op(name: str) -> Any:
+    """An op by name; the peer routers' (`peer_...`, bench/_ro_loadgen.py) are loaded on first use."""
+    if name not in LG_OPS and name.startswith("peer_"):
+        import _ro_loadgen  # imports this module: loaded late, so no import cycle at start
+
+        LG_OPS.update(_ro_loadgen.OPS)
+    return LG_OPS[name]
 
 
 def _loadgen_main(conn: Any) -> None:
@@ -303,7 +342,7 @@ def _loadgen_main(conn: Any) -> None:
         if msg is None:
             return
         try:
-            res = uvloop.run(LG_OPS[msg["op"]](**msg["args"]))
+            res = uvloop.run(_op(msg["op"])(**msg["args"]))
             conn.send({"ok": True, "result": res})
         except Exception as exc:
             conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -330,6 +369,13 @@ class LoadGen:
         if not reply["ok"]:
             raise RuntimeError(f"load generator: {op} failed: {reply['error']}")
         return reply["result"]  # type: ignore[no-any-return]
+
+    def warm(self, urls: list[str], n: int, seed: int, api: str = "flexlb") -> dict[str, int]:
+        """`n` sequential requests of the benchmarks' shape (a warm-up); their outcome codes."""
+        from _gw_cluster import MAX_NEW_TOKENS, PROMPT_TOKENS  # the parent's import, not the child's
+
+        args = {"urls": urls, "n": n, "n_tokens": PROMPT_TOKENS, "max_new": MAX_NEW_TOKENS, "seed": seed}
+        return dict(self.call("sequential", 120, **args, api=api)["codes"])
 
     def stop(self) -> None:
         with contextlib.suppress(Exception):

@@ -5,7 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 from _gw_cluster import MAX_NEW_TOKENS, PROMPT_TOKENS
-from _harness import console, table
+from _harness import console, pct, r3, table
+
+
+def errors_of(codes: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in sorted(codes.items()) if k != "ok"}
+
+
+def e2e_latency(res: dict[str, Any]) -> dict[str, Any]:
+    """The sequential phase's latency figures from the load generator's answer (`lg_e2e` or
+    `lg_peer_e2e`): through the router, straight to the workers, and the difference."""
+    g, d = res["gateway_ms"], res["direct_ms"]
+    return {
+        "gateway_p50_ms": r3(pct(g, 50)),
+        "gateway_p99_ms": r3(pct(g, 99)),
+        "direct_p50_ms": r3(pct(d, 50)),
+        "direct_p99_ms": r3(pct(d, 99)),
+        "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
+        "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
+        "gateway_errors": errors_of(res["gateway_codes"]),
+        "direct_errors": errors_of(res["direct_codes"]),
+    }
 
 
 def _yes(b: bool) -> str:

@@ -67,7 +67,7 @@ from _gw_cluster import (
     wait_for,
 )
 from _gw_loadgen import OPEN_LOOP_MAX_INFLIGHT, REQUEST_TIMEOUT_S, LoadGen
-from _gw_report import render, summary_md
+from _gw_report import e2e_latency, errors_of, render, summary_md
 from _harness import (
     CpuMeter,
     Proc,
@@ -78,11 +78,6 @@ from _harness import (
     stop_on_sigterm,
 )
 from gw_profile import Profiler
-
-
-# ---- statistics ---------------------------------------------------------------------------------
-def errors_of(codes: dict[str, int]) -> dict[str, int]:
-    return {k: v for k, v in sorted(codes.items()) if k != "ok"}
 
 
 # ---- the run ------------------------------------------------------------------------------------
@@ -109,6 +104,7 @@ class Bench:
         self.incidents: list[dict[str, Any]] = []
         self._dead: set[int] = set()
         self.idle_gw_cores = 0.0  # the gateways' background loops, from `idle_rate`
+        self.idle_redis_cores = 0.0  # Redis serving them (heartbeats, polls, blocking reads)
 
     def phase(self, name: str, fn: Any, *args: Any) -> Any:
         """Run one measured phase: settle first, then note whether a process died during it."""
@@ -202,6 +198,8 @@ class Bench:
             for a, b in zip(s0, s1, strict=True)
         ]
         self.idle_gw_cores = (c1["gateways"] - c0["gateways"]) / (t1 - t0)
+        if self.redis_cpu is not None:
+            self.idle_redis_cores = (c1["redis"] - c0["redis"]) / (t1 - t0)
         return {
             **self.cores(c0, c1),
             "window_s": r3(t1 - t0),
@@ -298,29 +296,24 @@ class Bench:
             )
         c1 = self.cpu()
         s1 = self.stats(True)
-        g, d = res["gateway_ms"], res["direct_ms"]
+        g = res["gateway_ms"]
+
+        def per_req(what: str, idle_cores: float = 0.0) -> float | None:  # net of the idle loops
+            cpu_s = c1[what] - c0[what] - idle_cores * (c1["t"] - c0["t"])
+            return r3(cpu_s * 1000 / len(g)) if g else None
+
         origin = self.samples(s1, "origin_overhead_s")
         handoff = self.samples(s1, "handoff_latency_s")
         return {
             "n": p.e2e_n,
-            "gateway_p50_ms": r3(pct(g, 50)),
-            "gateway_p99_ms": r3(pct(g, 99)),
-            "direct_p50_ms": r3(pct(d, 50)),
-            "direct_p99_ms": r3(pct(d, 99)),
-            "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
-            "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
-            "gateway_errors": errors_of(res["gateway_codes"]),
-            "direct_errors": errors_of(res["direct_codes"]),
+            **e2e_latency(res),
             "unloaded_origin_p50_ms": r3(pct(origin, 50)),
             "unloaded_handoff_p50_ms": r3(pct(handoff, 50)),
             # the gateways are idle while the direct requests run: all their CPU is the n requests'
-            "gateway_cpu_ms_per_req": r3((c1["gateways"] - c0["gateways"]) * 1000 / len(g)) if g else None,
-            "redis_cpu_ms_per_req": r3((c1["redis"] - c0["redis"]) * 1000 / len(g)) if g else None,
-            "gateway_cpu_ms_per_req_net": r3(
-                (c1["gateways"] - c0["gateways"] - self.idle_gw_cores * (c1["t"] - c0["t"])) * 1000 / len(g)
-            )
-            if g
-            else None,
+            "gateway_cpu_ms_per_req": per_req("gateways"),
+            "redis_cpu_ms_per_req": per_req("redis"),
+            "redis_cpu_ms_per_req_net": per_req("redis", self.idle_redis_cores),
+            "gateway_cpu_ms_per_req_net": per_req("gateways", self.idle_gw_cores),
             **self.cores(c0, c1),
         }
 
@@ -371,6 +364,19 @@ class Bench:
         return rows
 
 
+def stop_procs(procs: list[Proc]) -> dict[str, dict[str, Any]]:
+    """Stop every process started here, gateways first (they leave the cluster cleanly), each
+    group in parallel; returns each one's exit code, stop time and whether it hung."""
+    exits: dict[str, dict[str, Any]] = {}
+    gw_procs = [p for p in procs if p.name.startswith("gateway")]
+    others = [p for p in procs if not p.name.startswith("gateway")]
+    for group in (gw_procs, others):
+        with ThreadPoolExecutor(max(1, len(group))) as ex:
+            for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
+                exits[f"{p.name} {p.pid}"] = {"rc": rc, "stop_s": p.stop_s, "hung": p.hung}
+    return exits
+
+
 def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], log_dir: Path) -> None:
     plan = make_plan(args)
     cluster = f"bench-{uuid.uuid4().hex[:8]}"
@@ -389,17 +395,8 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         with contextlib.suppress(Exception):
             results["runtime_config"] = gws[0].get("/admin/config", admin=True).json().get("config")
         bench = Bench(plan, gws, workers, emb.pid if emb else None, args.py_spy)
-        warm = bench.lg.call(
-            "sequential",
-            120,
-            urls=bench.urls,
-            n=plan.warmup,
-            n_tokens=PROMPT_TOKENS,
-            max_new=MAX_NEW_TOKENS,
-            seed=args.seed,
-        )
-        results["warmup"] = warm["codes"]
-        console.print(f"warm-up: {warm['codes']}; idle window {plan.idle_s:g} s...")
+        results["warmup"] = bench.lg.warm(bench.urls, plan.warmup, args.seed)
+        console.print(f"warm-up: {results['warmup']}; idle window {plan.idle_s:g} s...")
         idle = bench.idle_rate()
         results["idle"] = idle
         console.print(
@@ -424,21 +421,7 @@ def run(args: argparse.Namespace, results: dict[str, Any], procs: list[Proc], lo
         if bench is not None:
             results["incidents"] = bench.incidents
             bench.close()
-        exits: dict[str, dict[str, Any]] = {}
-        gw_procs = [p for p in procs if p.name.startswith("gateway")]
-        others = [p for p in procs if not p.name.startswith("gateway")]
-        for group in (
-            gw_procs,
-            others,
-        ):  # gateways first: they leave the cluster cleanly
-            with ThreadPoolExecutor(max(1, len(group))) as ex:
-                for p, rc in zip(group, ex.map(lambda w: w.stop(), group), strict=True):
-                    exits[f"{p.name} {p.pid}"] = {
-                        "rc": rc,
-                        "stop_s": p.stop_s,
-                        "hung": p.hung,
-                    }
-        results["shutdown"] = exits
+        results["shutdown"] = stop_procs(procs)
         if emb is not None:
             emb.stop()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
