@@ -9,6 +9,7 @@ What the routers need (learned from their docs and by watching their calls):
 - discovery and health: `/health`, `/health_generate`, `/get_server_info`, `/get_model_info`,
   `/v1/models`, `/get_loads`, `/flush_cache`, `/metrics`;
 - work: `/generate` (SGLang native) and `/v1/completions` (OpenAI), streamed or not;
+- routing: `/tokenize` and `/v1/completions/render` (vllm-router's `cache_aware` scores token ids);
 - P/D, SGLang style: the router sends the same request to a prefill and a decode server at once,
   with `bootstrap_host`/`bootstrap_port`/`bootstrap_room`. The prefill facade also listens on its
   bootstrap port; the decode facade asks it there for the room's KV (waiting until prefill ends),
@@ -222,6 +223,15 @@ def create_app(f: Facade) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse("")
+
+    @app.post("/v1/completions/render")
+    @app.post("/tokenize")
+    async def render(request: Request) -> Response:
+        try:
+            doc = wire.rendered(await request.json(), request.url.path, f.svc.profile.max_context_tokens)
+        except (ValueError, TypeError) as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": "invalid_request"}}, status_code=400)
+        return JSONResponse(doc)
 
     @app.get("/_facade/status")
     async def status() -> dict[str, Any]:
