@@ -217,7 +217,7 @@ BUILTIN_POLICIES = (
 PEER_IMITATIONS = tuple(
     PolicyDef(n, PREFILL, (("hotspot", _NO_PARAMS),), (), (n, _NO_PARAMS), summary=s)
     for n, s in (
-        ("sglang_cache_aware", "imitates SGLang router's cache_aware (0.3 / 64 / 1.5)"),
+        ("sglang_cache_aware", "imitates sglang-router 0.3.2's P/D cache_aware: no tree, random (64 / 1.5)"),
         ("vllm_cache_aware", "imitates vLLM router's cache_aware (0.5 / 32 / 1.1)"),
         ("llmd_precise", "imitates llm-d: precise prefix + queue + KV-utilisation scorers 3:2:2"),
         ("dynamo_kv", "imitates Dynamo's KV router: overlap x prefill blocks + active blocks"),

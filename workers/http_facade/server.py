@@ -9,6 +9,7 @@ What the routers need (learned from their docs and by watching their calls):
 - discovery and health: `/health`, `/health_generate`, `/get_server_info`, `/get_model_info`,
   `/v1/models`, `/get_loads`, `/flush_cache`, `/metrics`;
 - work: `/generate` (SGLang native) and `/v1/completions` (OpenAI), streamed or not;
+- routing: `/tokenize` and `/v1/completions/render` (vllm-router's `cache_aware` scores token ids);
 - P/D, SGLang style: the router sends the same request to a prefill and a decode server at once,
   with `bootstrap_host`/`bootstrap_port`/`bootstrap_room`. The prefill facade also listens on its
   bootstrap port; the decode facade asks it there for the room's KV (waiting until prefill ends),
@@ -55,6 +56,7 @@ from workers.server.service import WorkerConfig, WorkerService
 log = logging.getLogger("flexlb.facade")
 MAX_INFLIGHT_BATCHES = 2
 KV_WAIT_S = 600.0
+STOP_GRACE_S = 5  # seconds a stopping facade gives its open requests
 
 
 @dataclass
@@ -223,6 +225,15 @@ def create_app(f: Facade) -> FastAPI:
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse("")
 
+    @app.post("/v1/completions/render")
+    @app.post("/tokenize")
+    async def render(request: Request) -> Response:
+        try:
+            doc = wire.rendered(await request.json(), request.url.path, f.svc.profile.max_context_tokens)
+        except (ValueError, TypeError) as exc:
+            return JSONResponse({"error": {"message": str(exc), "code": "invalid_request"}}, status_code=400)
+        return JSONResponse(doc)
+
     @app.get("/_facade/status")
     async def status() -> dict[str, Any]:
         r = f.svc.runner
@@ -348,15 +359,8 @@ async def _serve_decode(
                 "request_id",
             )
         else:
-            return JSONResponse(
-                {
-                    "error": {
-                        "message": "decode facade needs bootstrap_room or kv_transfer_params",
-                        "code": "invalid_request",
-                    }
-                },
-                status_code=400,
-            )
+            need = "decode facade needs bootstrap_room or kv_transfer_params"
+            return JSONResponse({"error": {"message": need, "code": "invalid_request"}}, status_code=400)
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         return JSONResponse(
             {"error": {"message": f"KV fetch failed: {exc!r}", "code": "kv_fetch"}}, status_code=502
@@ -473,7 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     async def serve() -> None:
         svc.start()
         facade.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=512))
-        server = uvicorn.Server(uvicorn.Config(app, log_level=a.log_level, access_log=False, lifespan="off"))
+        ucfg = uvicorn.Config(app, log_level=a.log_level, access_log=False, lifespan="off")
+        # A decode facade's KV long-poll (up to KV_WAIT_S) must not keep a stopping facade alive:
+        # compare_routers.sh waits for its facades after SIGTERM, and hung on one such poll.
+        ucfg.timeout_graceful_shutdown = STOP_GRACE_S
+        server = uvicorn.Server(ucfg)
         try:
             print(
                 json.dumps({"event": "facade_ready", "name": name, "bootstrap_port": a.bootstrap_port}),

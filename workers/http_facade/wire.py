@@ -52,6 +52,19 @@ def prompt_ids(body: dict[str, Any]) -> list[int]:
     return TOK.encode(p)
 
 
+def rendered(body: dict[str, Any], path: str, max_model_len: int) -> Any:
+    """vLLM's `/v1/completions/render` (a list of `{token_ids}`) or `/tokenize` (`{tokens, count,
+    max_model_len}`) answer for ``body``, by the facade's own tokenizer.
+
+    Why: vllm-router's `cache_aware` scores its radix tree on the workers' token ids, fetched from
+    these endpoints; without them it routes every P/D request by load alone ("missing_tokens").
+    """
+    ids = prompt_ids(body)
+    if path == "/tokenize":
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+    return [{"token_ids": ids, "features": None}]
+
+
 def max_new(body: dict[str, Any]) -> int:
     sp = body.get("sampling_params") or {}
     for v in (sp.get("max_new_tokens"), body.get("max_tokens"), body.get("max_completion_tokens")):

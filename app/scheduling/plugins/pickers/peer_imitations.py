@@ -7,19 +7,24 @@ approximate radix tree) and their own requests in flight per worker. `Policy.fin
 them a prefill they routed has finished. They need the prompt's block keys (`PrefillQuery.keys`);
 without them the trees stay empty and the cache-aware ones balance by load only.
 
-- ``sglang_cache_aware``: SGLang router's `cache_aware` policy (sglang-router 0.3.2 in P/D mode).
-  If the load is imbalanced (max − min in-flight > `balance_abs` and max > `balance_rel` × min)
-  the request goes to the least-loaded worker; otherwise to the worker with the longest prefix
-  match when the match rate (matched characters over the prompt's) exceeds `cache_threshold`,
-  else to the least-loaded worker, ties drawn at random. Defaults 0.3 / 64 / 1.5. In P/D mode
-  the policy does not see its prefill workers' in-flight counts (`sees_load` False: measured,
-  see docs/benchmarks.md "Peer imitations validated"), so a prompt below the threshold goes to a
-  worker drawn at random — not to the smallest tree, as older versions did.
-- ``vllm_cache_aware``: vLLM router's `cache_aware` (vllm-router 0.1.17), the same algorithm with
-  its library defaults 0.5 / 32 / 1.1 (its command line's are SGLang's 0.3 / 64 / 1.5); it sees
-  each prefill worker's requests in flight until their prefill ends, and its least-loaded choice
-  takes the first worker of a tie (`ties` "first"), so on an idle cluster every new prefix goes
-  to the first prefill worker.
+- ``sglang_cache_aware``: SGLang router's `cache_aware` policy as sglang-router 0.3.2 runs it in
+  P/D mode. The algorithm: if the load is imbalanced (max − min in-flight > `balance_abs` and
+  max > `balance_rel` × min) the least-loaded worker (the first of a tie); otherwise the worker
+  with the longest prefix match when the match rate (matched characters over the prompt's)
+  exceeds `cache_threshold`, else the least-loaded one. Defaults 0.3 / 64 / 1.5. But its P/D
+  router never initialises the prefill policy's tree (`init_pd_cache_aware_policies` has no
+  caller), so every request takes the policy's "no tree for this model" branch: a uniformly
+  random healthy worker, nothing inserted (`uses_tree` False; its debug log says "No tree found
+  for model ..., using random worker selection" on every request, docs/benchmarks.md "Peer
+  imitations against the live routers"). The balance rule still runs first.
+- ``vllm_cache_aware``: vLLM router's `cache_aware` (vllm-router 0.1.17): per worker, the prefix
+  of the prompt's token ids its tree holds for that worker, the rate being matched tokens over
+  the prompt's; above `cache_threshold` (and balanced) the least loaded of the best-matching
+  workers, else the least loaded of all, the first of a tie (`ties` "first"), so on an idle
+  cluster every new prefix goes to the first prefill worker. Library defaults 0.5 / 32 / 1.1
+  (its command line's are SGLang's 0.3 / 64 / 1.5); it sees each prefill worker's requests in
+  flight until their prefill ends. It needs the workers' token ids (`/v1/completions/render` or
+  `/tokenize`); without them it routes by load alone.
 - ``llmd_precise``: llm-d's scheduler profile with the precise prefix-cache scorer (KV events: here
   the cache mirror's hits), the queue scorer (the view's `queue_len`) and the KV-cache-utilisation
   scorer, weights 3:2:2; the highest weighted score wins.
@@ -90,7 +95,9 @@ class CacheAware(PeerPicker):
     routing decisions; the least loaded when imbalanced, else the longest prefix match above
     ``cache_threshold``, else the least loaded. ``sees_load``: whether the policy sees its own
     in-flight counts (when not, all read 0); ``ties``: how the least loaded is chosen among equals
-    (``random``, or ``first`` in the workers' order)."""
+    (``random``, or ``first`` in the workers' order; with ``first`` the least loaded of the
+    best-matching workers also wins, as in vllm-router); ``uses_tree``: False for a router whose
+    tree is never set up (a random worker whenever balanced, and nothing recorded)."""
 
     __slots__ = (
         "balance_abs",
@@ -100,6 +107,7 @@ class CacheAware(PeerPicker):
         "sees_load",
         "ties",
         "trees",
+        "uses_tree",
     )
 
     def __init__(
@@ -112,6 +120,7 @@ class CacheAware(PeerPicker):
         max_tree_blocks: int = 1 << 20,  # SGLang's bound is ~2^26 chars: effectively none
         sees_load: bool = False,
         ties: str = "random",
+        uses_tree: bool = True,
     ) -> None:
         super().__init__(ctx)
         if ties not in ("random", "first"):
@@ -122,6 +131,7 @@ class CacheAware(PeerPicker):
         self.max_tree_blocks = max_tree_blocks
         self.sees_load = sees_load
         self.ties = ties
+        self.uses_tree = uses_tree
         self.trees: dict[str, OrderedDict[int, None]] = {}
 
     def _choose(self, q: Any, c: Candidates, rng: random.Random) -> int:
@@ -131,13 +141,19 @@ class CacheAware(PeerPicker):
         least = [i for i, x in enumerate(loads) if x == lo]
         if hi - lo > self.balance_abs and hi > lo * self.balance_rel:
             return least[0] if self.ties == "first" else _pick(rng, least)
+        if not self.uses_tree:
+            return rng.randrange(len(ws))
         keys = q.keys
         matched = [self._match(w.id, keys) for w in ws]
         best = max(matched)
         # The match rate is matched characters over the prompt's (one character a token in the
         # replay), so the unshared tail past the last full block counts in the divisor.
         if keys and best * q.block_size / max(1, q.input_tokens) > self.cache_threshold:
-            return _pick(rng, [i for i, m in enumerate(matched) if m == best])
+            top = [i for i, m in enumerate(matched) if m == best]
+            if self.ties == "random":
+                return _pick(rng, top)
+            low = min(loads[i] for i in top)
+            return next(i for i in top if loads[i] == low)
         return least[0] if self.ties == "first" else _pick(rng, least)
 
     def _match(self, wid: str, keys: Sequence[int]) -> int:
@@ -152,6 +168,8 @@ class CacheAware(PeerPicker):
         return n
 
     def _routed(self, wid: str, q: Any) -> None:
+        if not self.uses_tree:
+            return
         tree = self.trees.setdefault(wid, OrderedDict())
         for k in reversed(q.keys):  # head last: most recently used, evicted last
             if k in tree:
@@ -164,9 +182,33 @@ class CacheAware(PeerPicker):
 
 @register("picker", "sglang_cache_aware", roles=("prefill",))
 class SglangCacheAware(CacheAware):
-    """SGLang router's `cache_aware` (defaults 0.3 / 64 / 1.5)."""
+    """SGLang router's `cache_aware` in P/D mode (defaults 0.3 / 64 / 1.5; no tree: random when
+    balanced, the first least-loaded when not)."""
 
     __slots__ = ()
+
+    def __init__(
+        self,
+        ctx: BuildContext,
+        *,
+        cache_threshold: float = 0.3,
+        balance_abs: int = 64,
+        balance_rel: float = 1.5,
+        max_tree_blocks: int = 1 << 20,
+        sees_load: bool = True,
+        ties: str = "first",
+        uses_tree: bool = False,
+    ) -> None:
+        super().__init__(
+            ctx,
+            cache_threshold=cache_threshold,
+            balance_abs=balance_abs,
+            balance_rel=balance_rel,
+            max_tree_blocks=max_tree_blocks,
+            sees_load=sees_load,
+            ties=ties,
+            uses_tree=uses_tree,
+        )
 
 
 @register("picker", "vllm_cache_aware", roles=("prefill",))
@@ -186,6 +228,7 @@ class VllmCacheAware(CacheAware):
         max_tree_blocks: int = 1 << 20,
         sees_load: bool = True,
         ties: str = "first",
+        uses_tree: bool = True,
     ) -> None:
         super().__init__(
             ctx,
@@ -195,6 +238,7 @@ class VllmCacheAware(CacheAware):
             max_tree_blocks=max_tree_blocks,
             sees_load=sees_load,
             ties=ties,
+            uses_tree=uses_tree,
         )
 
 
