@@ -11,7 +11,6 @@ import asyncio
 import random
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -173,15 +172,17 @@ def test_a_replica_routes_a_prefix_another_replica_just_handed_off_to_the_same_w
         "FLEXLB_POLL_INTERVAL_MS": "30000",  # each worker is polled once, at its owner's start
         "FLEXLB_SPECULATIVE_TTL_MS": "60000",  # no entry expires on a slow box
     }
-    with ThreadPoolExecutor(2) as ex:  # both start at once: start-up is most of this test's time
-        futs = [ex.submit(start_gateway, tmp_path, shared_embedded_redis, cluster, spec, **env) for _ in "ab"]
-    gws = [f.result() for f in futs if f.exception() is None]
-    failed = [e for f in futs if (e := f.exception()) is not None]
-    if failed:  # the other one must not outlive the test
-        for g in gws:
-            g.stop()
-        raise failed[0]
-    a, b = gws
+    # One after the other: B's first look at the worker snapshots must come after A's owners wrote
+    # them (B started alongside A can read them empty and wait a whole 30 s poll to look again).
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
+    gws = [a]
+    try:
+        wait_for(lambda: a.readyz()["ready"], 60, what="A ready")
+        gws.append(start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env))
+    except BaseException:
+        a.stop()
+        raise
+    b = gws[1]
 
     def settled() -> bool:
         """Both ready and every worker owned (leases are sticky: no owner starts later and
@@ -217,5 +218,5 @@ def test_a_replica_routes_a_prefix_another_replica_just_handed_off_to_the_same_w
             assert got["prefill_worker"] == worker, (text[:20], got["prefill_worker"], worker)
             assert got["cached_tokens"] >= 1024  # the prefix really was on that worker
     finally:
-        with ThreadPoolExecutor(2) as ex:
-            list(ex.map(Gateway.stop, gws))
+        for g in gws:
+            g.stop()

@@ -429,7 +429,10 @@ class Replica:
             except Exception as exc:  # keep the last views; count, back off, retry
                 await self.loops.failed("refresh", exc)
                 continue
-            await asyncio.sleep(interval)
+            # Until it is ready, look again soon: at start the owners' first snapshots land just
+            # after our first read, and a long poll interval (30 s in tests that freeze the views)
+            # kept the replica unready that long.
+            await asyncio.sleep(interval if self.readiness()[0] else min(interval, 0.2))
 
     async def _redis_watch(self) -> None:
         """fail_closed: keep a verdict on Redis for /readyz and the request path, and detect a
