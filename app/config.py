@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         True,
         description="hand-off picks between the policy's top two on live queued/owed ms (one Redis primary)",
     )
+    shared_speculative: bool = Field(
+        True,
+        description="owners publish each hand-off's prefix to every replica's mirror as a speculative entry",
+    )
     admission: str = Field(
         "slo", description="slo: 429 slo_unattainable when the predicted TTFT misses the deadline; off"
     )

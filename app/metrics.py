@@ -186,6 +186,24 @@ FRESH_PICK_MOVED = Counter(
     registry=REGISTRY,
 )
 
+SHARED_SPECULATIVE = Counter(
+    "flexlb_shared_speculative_records_total",
+    "Speculative-entry records on the workers' spec streams (FLEXLB_SHARED_SPECULATIVE): published by "
+    "this replica's owners, failed to publish, applied to this replica's mirror, skipped (own or stale)",
+    ["event"],
+    registry=REGISTRY,
+)
+for _e in ("published", "failed", "applied", "skipped"):
+    SHARED_SPECULATIVE.labels(_e)
+
+
+def count_shared_spec(replies: list[object]) -> None:
+    """The owner's XADD replies for its speculative records: an error reply is a record lost (a
+    hint with a TTL: counted, not retried)."""
+    for r in replies:
+        SHARED_SPECULATIVE.labels("failed" if isinstance(r, Exception) else "published").inc()
+
+
 LEDGER_LATE_SETTLED = Counter(
     "flexlb_ledger_late_settled_total",
     "Ledger members settled by the owner's audit, not by their reply (record, missed, ttl)",

@@ -37,11 +37,11 @@ from app.traces.bounds import _lru_hits
 TRACES = Path("/work/shared/traces")
 LOADS = (0.5, 0.7, 1.0, 1.2, 1.5, 2.0)
 POLICIES = (
-    "cost",  # the default: cost routing, window batching, SLO admission
+    "cost",  # the default: cost routing, window batching, SLO admission, fresh pick, shared entries
     "cost@direct",
-    "cost+fresh",  # the default with Policy.second_look on fresh load (simulator only for now)
-    "cost+shared",  # the default with speculative entries shared through the owner (simulator only)
-    "cost+fresh+shared",
+    "cost-fresh-shared",  # the default before the fresh pick and shared speculative entries
+    "cost-shared",  # without the speculative entries shared through the owner
+    "cost-fresh",  # without Policy.second_look on fresh load
     "prefix",
     "least_load",
     "round_robin",
@@ -148,14 +148,21 @@ def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
     return out
 
 
-SUFFIXES = {"+fresh": "fresh_pick", "+shared": "shared_speculative"}
+# Suffix → (SimConfig flag, value). Both flags default to the live gateway's settings (on), so
+# ``-fresh`` / ``-shared`` turn one off; ``+`` turns it on where the environment turned it off.
+SUFFIXES = {
+    "+fresh": ("fresh_pick", True),
+    "+shared": ("shared_speculative", True),
+    "-fresh": ("fresh_pick", False),
+    "-shared": ("shared_speculative", False),
+}
 
 
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
-    """``NAME[@BATCHING][+fresh][+shared]``: ``+fresh`` runs the policy with `SimConfig.fresh_pick`
-    (its `Policy.second_look` on fresh shared load), ``+shared`` with
-    `SimConfig.shared_speculative` (speculative cache entries published through the owner to
-    every replica); neither is in the live gateway yet."""
+    """``NAME[@BATCHING][±fresh][±shared]``: ``fresh`` is `SimConfig.fresh_pick` (the policy's
+    `Policy.second_look` on fresh shared load, live `FLEXLB_FRESH_PICK`), ``shared`` is
+    `SimConfig.shared_speculative` (speculative cache entries published through the owner to every
+    replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by default, as live."""
     out = []
     for n in names:
         base = n
@@ -166,8 +173,8 @@ def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
     return out
 
 
-def _flags(name: str) -> tuple[str, ...]:
-    return tuple(f for suf, f in SUFFIXES.items() if suf in name)
+def _flags(name: str) -> tuple[tuple[str, bool], ...]:
+    return tuple(fv for suf, fv in SUFFIXES.items() if suf in name)
 
 
 def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
@@ -175,7 +182,7 @@ def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, di
     out: dict[str, dict[str, Any]] = {}
     for flags in sorted({_flags(p.name) for p in todo}):
         group = [p for p in todo if _flags(p.name) == flags]
-        cfg_g = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        cfg_g = replace(cfg, **dict(flags)) if flags else cfg
         out.update(run_simulation(tr, cfg_g, group).policies)
     return {p.name: out[p.name] for p in todo}
 
@@ -379,7 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=8)
     ap.add_argument("--max-requests", type=int, default=None, help="first N requests of each workload")
     ap.add_argument("--output", default="bench_out/cliff")
-    ap.add_argument("--fresh-pick", action="store_true", help="cost: power of two on fresh load")
+    ap.add_argument(
+        "--fresh-pick",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cost: power of two on fresh load (default: the live setting, on)",
+    )
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the --repeat policies (averaged)")
     ap.add_argument("--repeat", default="cost,cost@direct", help="policies run with every seed")
     ap.add_argument("--render", default=None, help="only render this cliff.json as markdown")
@@ -402,9 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for tname, trace in workloads(args.traces.split(","), args.max_requests).items():
         for nrep in reps:
-            cfg = SimConfig(
-                prefill=args.prefill, decode=args.decode, replicas=nrep, fresh_pick=args.fresh_pick
-            )
+            cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
+            if args.fresh_pick is not None:
+                cfg = replace(cfg, fresh_pick=args.fresh_pick)
             for load in loads:
                 tr, _info = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
                 rows: dict[str, list[dict[str, Any]]] = {}

@@ -134,8 +134,11 @@ def test_large_fleet_shortlist_runs() -> None:
     assert sum(r.cached_tokens for r in recs) > 0
     # Spread over the fleet, not herded onto a few workers: the 30 prefix groups land on about as
     # many workers (30 when finish time cost full price below the latency budget, 29 since `cost`
-    # keeps a group on its holder against up to 9x its saving within the budget).
-    assert len({r.prefill_worker for r in recs}) >= 28
+    # keeps a group on its holder against up to 9x its saving within the budget; 26 since the
+    # defaults share speculative entries between the 2 replicas and pick on fresh load: the second
+    # replica no longer starts its own copy of a group on another worker (cached tokens 137K → 145K;
+    # 19 workers with the shared entries alone, 41 with the fresh pick alone).
+    assert len({r.prefill_worker for r in recs}) >= 24
 
 
 def test_fast_match_equals_live_mirror() -> None:

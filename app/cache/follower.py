@@ -1,16 +1,20 @@
 """Feeds a replica's CacheMirror from Redis: each worker's stored snapshot first, then its diff
 stream, with a blocking XREAD on a dedicated connection (a blocking read must never hold up the
-request path's connection pool)."""
+request path's connection pool). The same XREAD reads each worker's speculative stream, the
+hand-offs its owner read (`FLEXLB_SHARED_SPECULATIVE`, app/cache/shared_spec.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
+from app import metrics as M
 from app.cache.mirror import CacheMirror
+from app.cache.shared_spec import parse_record
 from app.cluster.loops import LoopHealth
 from app.cluster.poller import unpack_keys
 from app.state.keys import Keys
@@ -28,6 +32,9 @@ class MirrorFollower:
         workers: Callable[[], list[str]],
         block_ms: int = 500,
         loops: LoopHealth | None = None,
+        *,
+        replica_id: str = "",
+        share_speculative: bool = True,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -40,6 +47,11 @@ class MirrorFollower:
         self.loops = loops or LoopHealth()
         self.gaps = 0  # diffs whose prev_version did not match the mirror (a lost diff): resynced
         self._gap: set[str] = set()  # workers waiting for a full snapshot after a gap
+        # Speculative streams: records of our own hand-offs are skipped (the origin has them).
+        self.replica_id = replica_id
+        self.share_speculative = share_speculative
+        self._spec_cursor: dict[str, str] = {}
+        self.spec_applied = 0
 
     async def load(self, wid: str) -> None:
         snap = await self.redis.hgetall(self.keys.cache_snapshot(wid))
@@ -48,6 +60,8 @@ class MirrorFollower:
                 wid, _s(snap[b"epoch"]), int(snap[b"version"]), unpack_keys(snap[b"keys"])
             )
         self._cursor[wid] = "0-0"  # replay the (bounded) stream: older diffs are refused by version
+        if self.share_speculative:  # replayed too: records older than the TTL are dropped
+            self._spec_cursor[wid] = "0-0"
 
     async def step(self) -> int:
         """One bounded read of every worker's diff stream; returns diffs applied."""
@@ -56,15 +70,22 @@ class MirrorFollower:
                 await self.load(wid)
         for wid in [w for w in self._cursor if w not in set(self.workers())]:
             del self._cursor[wid]
+            self._spec_cursor.pop(wid, None)
             self.mirror.drop_worker(wid)
         if not self._cursor:
             await asyncio.sleep(self.block_ms / 1000)
             return 0
         streams = {self.keys.cache_stream(w): c for w, c in self._cursor.items()}
+        streams.update({self.keys.spec_stream(w): c for w, c in self._spec_cursor.items()})
         res = await self.redis.xread(streams, count=500, block=self.block_ms)
         n = 0
         for stream, entries in res or []:
-            wid = _stream_worker(_s(stream), self.keys)
+            spec = _stream_worker(_s(stream), self.keys, "spec")
+            if spec is not None:
+                if spec in self._spec_cursor:
+                    self._apply_spec(spec, entries, time.time() * 1000)
+                continue
+            wid = _stream_worker(_s(stream), self.keys, "cache")
             if wid is None or wid not in self._cursor:
                 continue
             for entry_id, f in entries:
@@ -85,6 +106,20 @@ class MirrorFollower:
                 n += int(ok)
         self.applied += n
         return n
+
+    def _apply_spec(self, wid: str, entries: list[tuple[bytes, dict[bytes, bytes]]], now_ms: float) -> None:
+        """Another replica's hand-offs to ``wid``, as its owner read them: speculative entries under
+        the normal TTL, counted from that read (never later than now, whatever the clocks say)."""
+        ttl = self.mirror.speculative_ttl_ms
+        for entry_id, f in entries:
+            self._spec_cursor[wid] = _s(entry_id)
+            rec = parse_record(f)
+            if rec is None or rec.origin == self.replica_id or now_ms - rec.at_ms >= ttl:
+                M.SHARED_SPECULATIVE.labels("skipped").inc()
+                continue
+            self.mirror.add_speculative(wid, rec.keys.tolist(), min(rec.at_ms, now_ms))
+            self.spec_applied += 1
+            M.SHARED_SPECULATIVE.labels("applied").inc()
 
     async def _in_sequence(self, wid: str, epoch: str, version: int, prev: bytes | None) -> bool:
         """A diff says which version it follows (`prev`). When the mirror is not at that version a
@@ -129,8 +164,8 @@ class MirrorFollower:
             await asyncio.wait({self._task})
 
 
-def _stream_worker(stream: str, keys: Keys) -> str | None:
-    head = f"{keys.prefix}:{{w:"
-    if stream.startswith(head) and stream.endswith("}:cache"):
-        return stream[len(head) : -len("}:cache")]
+def _stream_worker(stream: str, keys: Keys, what: str) -> str | None:
+    head, tail = f"{keys.prefix}:{{w:", f"}}:{what}"
+    if stream.startswith(head) and stream.endswith(tail):
+        return stream[len(head) : -len(tail)]
     return None

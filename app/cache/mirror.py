@@ -7,8 +7,10 @@ a short TTL so two requests sharing a prefix land together even before the worke
 Pure: time is passed in, never read.
 
 One implementation for the live gateway and the simulator (`app/sim/`): the gateway's replica owns
-one mirror with its own speculative index; the simulator shares one mirror of confirmed keys between
-its replicas and gives each replica its own `SpecIndex` (speculative entries are never published).
+one mirror with its own speculative index, fed by its own hand-offs and, with
+`FLEXLB_SHARED_SPECULATIVE`, by the owners' records of every replica's (app/cache/shared_spec.py);
+the simulator shares one mirror of confirmed keys between its replicas and gives each replica its
+own `SpecIndex` (`SimConfig.shared_speculative` publishes into all of them).
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ class _WorkerView:
 class SpecIndex:
     """Speculative entries: block key → {worker id: expiry ms}, with expiry and a hard size cap.
 
-    One TTL for all entries, so insertion order is expiry order: expiring is a pop from the left of a
-    FIFO, never a scan of the whole index. `add` expires first, so an index that is only ever added
-    to (the live request path) stays bounded by rate × TTL, and by ``max_entries`` in any case.
+    One TTL for all entries, so insertion order is expiry order (but for shared records, which carry
+    the owner's read time and may be a few ms older: such an entry waits behind younger ones, at most
+    one TTL, and matching checks every expiry): expiring is a pop from the left of a FIFO, never a
+    scan of the whole index. A (key, worker) keeps its latest expiry. `add` expires first, so an
+    index that is only ever added to (the live request path) stays bounded by rate × TTL, and by
+    ``max_entries`` in any case.
     (The live mirror kept these in a dict it never expired: ~80 MB of growth per 200 s at 100 req/s.)
     """
 
@@ -62,8 +67,10 @@ class SpecIndex:
             d = by_key.get(k)
             if d is None:
                 by_key[k] = {worker: exp}
-            else:
+            elif d.get(worker, 0.0) < exp:
                 d[worker] = exp
+            else:  # a later expiry holds already (a shared record read after our own entry)
+                continue
             push((exp, k, worker))
         while len(self._fifo) > self.max_entries:
             self._pop()

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from app.rpc.worker_client import PromptKeys
 from app.scheduling.batcher import DEFAULT_PRIORITY
 from app.security.limits import PRIORITIES
 from app.security.tenants import NS
@@ -68,3 +69,22 @@ def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:
         keys=carried[1] if carried else None,
         key_space=carried[0] if carried else 0,
     )
+
+
+def carried_keys(items: list[QueueItem]) -> PromptKeys | None:
+    """The block keys the entries carry from routing, so the client does not hash the prompts
+    again (issue 20). Keys in another space than the first carrier's (a rolling config change) and
+    entries without keys go as None: the client hashes those."""
+    space = next((i.key_space for i in items if i.keys is not None), None)
+    if space is None:
+        return None
+    return PromptKeys(space, [i.keys if i.key_space == space else None for i in items])
+
+
+def failure(code: str, error: str, accepted: bool) -> dict[str, Any]:
+    """A batch that failed before the worker acknowledged it never started there, so its members
+    may run elsewhere: `not_started` lets the origin retry them once on another worker."""
+    out: dict[str, Any] = {"status": code, "error": error}
+    if not accepted:
+        out["not_started"] = 1
+    return out

@@ -20,14 +20,15 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from app import metrics as M
+from app.cache.shared_spec import SpecOutbox
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
 from app.dispatch.claim import OwnerClaims
-from app.dispatch.items import QueueItem, parse_item
+from app.dispatch.items import QueueItem, carried_keys, failure, parse_item
 from app.dispatch.ledger import OwnerLedger
 from app.logging_setup import lifecycle_sampled
 from app.protocol.codes import EngineStatus
-from app.rpc.worker_client import PromptKeys, WorkerClient, WorkerUnavailable
+from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 from app.scheduling.accounting import EngineTimeline
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
@@ -60,6 +61,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         terminal: TerminalWrites | None = None,
         reclaim_idle_ms: int = 5000,
         reclaim_every_s: float = 2.0,
+        share_speculative: bool = True,
     ) -> None:
         self.wid = wid
         self.replica_id = replica_id
@@ -80,6 +82,8 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         self.reclaim_idle_ms = reclaim_idle_ms
         self.reclaim_every_s = reclaim_every_s
         self._handling: set[str] = set()  # entry ids read and not yet answered by us
+        # FLEXLB_SHARED_SPECULATIVE: each read hand-off's blocks, published for every replica.
+        self.spec_out = SpecOutbox(enabled=share_speculative)
         # Set after the first claim: XAUTOCLAIM takes entries pending for *any* consumer, us
         # included, so reading new entries before it would hand the claim our own fresh entries
         # to "redispatch" (cancelling their running batch on the worker).
@@ -164,15 +168,25 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 await self._lean_reader.close()
 
     async def _read_entries(self, key: str) -> list[tuple[Any, dict[bytes, bytes]]]:
-        """New entries of the worker's queue for this consumer (blocks up to 100 ms)."""
-        self.store.commands_total += 1
-        if self._lean_reader is not None:
-            reply = await self._lean_reader.call(
-                "XREADGROUP", "GROUP", GROUP, self.replica_id, "COUNT", 256, "BLOCK", 100, "STREAMS", key, ">"
-            )
-            return stream_entries(reply)
-        res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
-        return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
+        """New entries of the worker's queue for this consumer (blocks up to 100 ms). The shared
+        speculative records of the last read ride in front of it: one write, no round trip of
+        their own (app/cache/shared_spec.py); a failed one is counted and dropped (a hint)."""
+        read = ["XREADGROUP", "GROUP", GROUP, self.replica_id, "COUNT", 256, "BLOCK", 100, "STREAMS", key]
+        cmds = [*self.spec_out.take(self.store.keys.spec_stream(self.wid), time.time() * 1000), [*read, ">"]]
+        self.store.commands_total += len(cmds)
+        if self._lean_reader is None:  # redis-py (TLS, URL options): the same pipeline, parsed replies
+            pipe = self._reader.pipeline(transaction=False)
+            for c in cmds:
+                pipe.execute_command(*c)
+            *added, res = await pipe.execute(raise_on_error=False)
+        else:
+            *added, res = await self._lean_reader.pipeline(cmds)
+        M.count_shared_spec(added)
+        if isinstance(res, Exception):
+            raise res
+        if self._lean_reader is None:
+            return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
+        return stream_entries(res)
 
     async def _read_loop(self) -> None:
         name = f"owner_read:{self.wid}"
@@ -200,6 +214,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 item = parse_item(entry_id, fields)
                 self._handling.add(item.entry_id)
                 self.admit(item, now)
+                self.spec_out.note(item.origin, item.keys)
 
     async def _decide_loop(self) -> None:
         name = f"owner_decide:{self.wid}"
@@ -379,7 +394,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 [(i.request_id, i.tokens) for i in live],
                 timeout=timeout,
                 sampling=[i.sampling for i in live],
-                keys=_carried_keys(live),
+                keys=carried_keys(live),
             ):
                 if ev.event == "accepted":
                     accepted = True
@@ -410,7 +425,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                     for item in live:
                         if item.request_id not in answered:
                             answered.add(item.request_id)
-                            await self._reply(item, batch_id, _failure(code, ev.error, accepted))
+                            await self._reply(item, batch_id, failure(code, ev.error, accepted))
         except asyncio.CancelledError:
             # Lease lost or replica stopping: the entries stay pending for the next owner, who
             # delivers, adopts or dispatches them once. Answering here would end requests that
@@ -429,13 +444,13 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
             for item in live:
                 if item.request_id not in answered:
                     answered.add(item.request_id)
-                    await self._reply(item, batch_id, _failure("worker_error", str(exc)[:300], accepted))
+                    await self._reply(item, batch_id, failure("worker_error", str(exc)[:300], accepted))
         finally:
             if not self.lease.is_valid():  # stale: the new owner answers what is left
                 answered.update(i.request_id for i in live)
             for item in live:
                 if item.request_id not in answered:  # _reply never raises: it queues on failure
-                    await self._reply(item, batch_id, _failure("worker_error", "no result", accepted))
+                    await self._reply(item, batch_id, failure("worker_error", "no result", accepted))
             self._batch_sizes.pop(batch_id, None)
             self._spawn_reanchor(self.timeline.finish(batch_id, time.time() * 1000))
 
@@ -480,22 +495,3 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         except RedisError as exc:  # not transient (a script error): never retried as it is
             self.loops.record(f"owner_dispatch:{self.wid}", exc)
             self._handling.discard(item.entry_id)  # the periodic re-claim answers it again
-
-
-def _carried_keys(items: list[QueueItem]) -> PromptKeys | None:
-    """The block keys the entries carry from routing, so the client does not hash the prompts
-    again (issue 20). Keys in another space than the first carrier's (a rolling config change) and
-    entries without keys go as None: the client hashes those."""
-    space = next((i.key_space for i in items if i.keys is not None), None)
-    if space is None:
-        return None
-    return PromptKeys(space, [i.keys if i.key_space == space else None for i in items])
-
-
-def _failure(code: str, error: str, accepted: bool) -> dict[str, Any]:
-    """A batch that failed before the worker acknowledged it never started there, so its members
-    may run elsewhere: `not_started` lets the origin retry them once on another worker."""
-    out: dict[str, Any] = {"status": code, "error": error}
-    if not accepted:
-        out["not_started"] = 1
-    return out

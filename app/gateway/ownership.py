@@ -127,6 +127,7 @@ class Ownership:
                 on_worker_error=lambda w: None,
                 loops=self.loops,
                 terminal=self.terminal,
+                share_speculative=self.settings.shared_speculative,
             )
             self.dispatchers[wid] = d
             d.start()

@@ -151,6 +151,8 @@ class Replica:
             self.mirror,
             self.views.prefill_ids,
             loops=self.loops,
+            replica_id=self.replica_id,
+            share_speculative=settings.shared_speculative,
         )
         self.reconciler = Reconciler(
             self.redis,

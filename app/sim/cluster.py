@@ -362,9 +362,9 @@ class ClusterSim:
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
 
     def _publish_speculative(self, w: int, p: Pending) -> None:
-        """`SimConfig.shared_speculative`: the owner of worker ``w`` publishes the just-read
-        hand-off's prefix as a speculative entry to every other replica's mirror (the origin's own
-        mirror has it since it routed)."""
+        """`SimConfig.shared_speculative` (live: app/cache/shared_spec.py): the owner of worker ``w``
+        publishes the just-read hand-off's prefix to every other replica's speculative entries (the
+        origin's has it), not to a peer imitation's (the routers they imitate have no such channel)."""
         tr = self.trace.requests[p.payload]
         keys = self.trace.full_block_keys(tr)
         if not keys:
@@ -372,7 +372,7 @@ class ClusterSim:
         cap = hit_blocks_cap(tr.input_len, self.bs)
         origin = self.reqs[p.payload].origin
         for rep in self.replicas:
-            if rep.idx != origin:
+            if rep.idx != origin and not rep.peer:
                 rep.spec.add(self.pids[w], keys[: max(cap, 0) + 1], self.now)
 
     def _fresh_loads(self, wid: str) -> tuple[float, float]:

@@ -77,13 +77,13 @@ class SimConfig:
     # SLO admission at the origin (app/scheduling/admission.py), as the live gateway's settings.
     admission: AdmissionConfig = field(default_factory=lambda: _settings().admission_config())
     # The prefill policy re-ranks its pick and runner-up on fresh shared load (`Policy.second_look`,
-    # power of two choices against herding); not in the live gateway yet, so off by default.
-    fresh_pick: bool = False
-    # Speculative cache entries published through the owner (DESIGN §11 "replicas see each other";
-    # the live origin keeps them in its own mirror only, so off by default): the owner adds the
-    # prompt's blocks for every replica's mirror when it reads the hand-off, so a replica routing a
-    # follow-up sees a prefix another replica just sent and that is not cached yet.
-    shared_speculative: bool = False
+    # power of two choices against herding), as the live hand-off does (`FLEXLB_FRESH_PICK`).
+    fresh_pick: bool = field(default_factory=lambda: _settings().fresh_pick)
+    # Speculative cache entries published through the owner (DESIGN §11 "replicas see each other"),
+    # as the live owner does (`FLEXLB_SHARED_SPECULATIVE`, app/cache/shared_spec.py): the owner adds
+    # the prompt's blocks for every replica's mirror when it reads the hand-off, so a replica routing
+    # a follow-up sees a prefix another replica just sent and that is not cached yet.
+    shared_speculative: bool = field(default_factory=lambda: _settings().shared_speculative)
     # Decode KV per request: max | mean | pXX of learned output lengths (app/scheduling/reserve.py),
     # and the decode engines' admission (reserve | expected: on use, with preemption).
     reserve_output_tokens: str = field(default_factory=lambda: _settings().reserve_output_tokens)

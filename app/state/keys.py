@@ -68,8 +68,12 @@ class Keys:
         return self.w(wid, "snap")
 
     def cache_stream(self, wid: str) -> str:
-        """STREAM of cache diffs: fields epoch, version, add, rem (packed uint64 LE), spec."""
+        """STREAM of cache diffs: fields epoch, version, prev, full, add, rem (packed uint64 LE)."""
         return self.w(wid, "cache")
+
+    def spec_stream(self, wid: str) -> str:
+        """STREAM of speculative entries the owner read: fields o (origin), t (ms), keys (uint64 LE)."""
+        return self.w(wid, "spec")
 
     def cache_snapshot(self, wid: str) -> str:
         """HASH epoch, version, keys (packed uint64 LE), stream_id: a new mirror loads it first."""
