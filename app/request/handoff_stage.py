@@ -21,7 +21,8 @@ from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
 )
-from app.state.handoff import pack_keys, pack_tokens
+from app.state.handoff import GROUP, pack_keys, pack_tokens
+from app.state.resp import stream_entries
 from app.state.store import request_fields
 from app.state.text import to_str as _s
 
@@ -137,23 +138,31 @@ class HandoffStage(RequestContext):
         ]
         if dec:
             cmds.append(["EVALSHA", sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap])
+        owner, lease = None, None
         if pair is None:
-            cmds.append(
-                [
-                    "EVALSHA",
-                    sha("handoff"),
-                    3,
-                    self.keys.queue(wid),
-                    self.keys.queued_ms(wid),
-                    self.keys.ledger(wid),
-                    self.settings.max_queue_len,
-                    f"{predicted:.6f}",
-                    meta_json,
-                    ids,
-                    f"{self._scale(wid):g}",
-                    packed_keys,
-                ]
-            )
+            cmd: list[Any] = [
+                "EVALSHA",
+                sha("handoff"),
+                3,
+                self.keys.queue(wid),
+                self.keys.queued_ms(wid),
+                self.keys.ledger(wid),
+                self.settings.max_queue_len,
+                f"{predicted:.6f}",
+                meta_json,
+                ids,
+                f"{self._scale(wid):g}",
+                packed_keys,
+            ]
+            owner = self.local_owner(wid)
+            lease = owner.local_lease() if owner is not None else None
+            if owner is not None and lease is not None:
+                # We own the worker: the hand-off delivers the entry to our owner's consumer in
+                # this round trip (scripts._OWN_READ), no hop through its blocked read.
+                cmd[2] = 4
+                cmd.insert(6, self.keys.owner_lease(wid))
+                cmd += [GROUP, owner.replica_id, lease]
+            cmds.append(cmd)
         else:
             cmds.append(self._pick_command(rid, wid, meta_json, predicted, ids, pair, packed_keys))
         # Whatever applied before a failure must be cleaned up as if handed off.
@@ -163,11 +172,22 @@ class HandoffStage(RequestContext):
         except ApiError:  # only the tenant's limit raises it, and then nothing was written
             p.stage = "new"
             raise
+        out = res[-1]
+        if owner is not None and lease is not None and len(out) > 3:
+            # First, before anything can raise: these entries are our owner's pending ones now,
+            # other origins' among them, and only the periodic re-claim would find them otherwise.
+            taken = stream_entries([(b"", out[4])])
+            if int(out[3]) == 1:
+                own = {b"m": meta_json.encode(), b"ids": ids}
+                if packed_keys:
+                    own[b"k"] = packed_keys
+                taken.append((out[0], own))
+            if taken:
+                owner.take_local(taken)
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await self.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
         held = int(res[2]) if dec else -1
-        out = res[-1]
         entry, queued, owed = _s(out[0]), float(_s(out[1])), float(_s(out[2]))
         picked = None
         if pair is not None:

@@ -269,10 +269,37 @@ end
 """
 )
 
-# KEYS: queue STREAM, queued_ms STRING, ledger HASH; ARGV: max_len, predicted_ms, meta (JSON),
-# ids (packed int32), time_scale[, keys (packed uint64, `handoff.pack_keys`; '' or absent: none)]
+# The origin is the worker's owner (issue 20): the hand-off also delivers the queue's new entries
+# to the owner's consumer, as the owner's own `XREADGROUP ... >` would have, and returns them, so
+# the origin feeds them straight to its in-process owner instead of waiting for the owner's
+# blocked read to be woken and answered (one hop and one command less per request). Nothing about
+# failure changes: the entry is in the stream and in that consumer's pending list exactly as if
+# the blocked read had delivered it (a crash leaves it for the next owner's claim), and the group's
+# last-delivered id moves past it, so the owner's blocked read does not deliver it again. Fenced:
+# only while the owner lease (same hash tag) holds the value the caller read from its own valid
+# lease, so a replica that lost the lease never takes entries this way. A missing group (NOGROUP:
+# the owner has not read yet, or Redis came back empty) takes nothing: the owner's loop reads them.
+# → own (1 when `id` was taken), others (the entries taken before it, `{id, {field, value, ...}}`
+# in stream order: other origins' hand-offs the owner had not read yet; ours is not sent back, the
+# caller has it).
+_OWN_READ = """
+local function own_read(queue, lease, group, consumer, value, id)
+  if redis.call('GET', lease) ~= value then return 0, {} end
+  local r = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 256, 'STREAMS', queue, '>')
+  if type(r) ~= 'table' or r.err or not r[1] then return 0, {} end
+  local own, others = 0, {}
+  for _, e in ipairs(r[1][2]) do
+    if e[1] == id then own = 1 else others[#others + 1] = e end
+  end
+  return own, others
+end
+"""
+
+# KEYS: queue STREAM, queued_ms STRING, ledger HASH[, owner lease STRING]; ARGV: max_len,
+# predicted_ms, meta (JSON), ids (packed int32), time_scale[, keys (packed uint64,
+# `handoff.pack_keys`; '' or absent: none)[, group, consumer, lease value]]
 # → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms} refused at the queue bound (429
-# overloaded).
+# overloaded); with a consumer named: {entry_id, queued_ms, owed_ms, own, others} (_OWN_READ).
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
 # its snapshot is exactly what the queue holds (DESIGN §3 step 6); the ledger's owed time comes
 # back with it, so the origin's view of the worker is fresh as of this round trip, other
@@ -284,6 +311,7 @@ HANDOFF = (
     _NOW_MS
     + _ADD_QUEUED_MS
     + _OWED_MS
+    + _OWN_READ
     + """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {-1, redis.call('GET', KEYS[2]) or '0', owed_ms()}
@@ -294,7 +322,12 @@ if ARGV[6] and ARGV[6] ~= '' then
 else
   id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
 end
-return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
+local q = add_queued_ms(tonumber(ARGV[2]))
+if ARGV[8] and ARGV[8] ~= '' then
+  local own, others = own_read(KEYS[1], KEYS[4], ARGV[7], ARGV[8], ARGV[9], id)
+  return {id, q, owed_ms(), own, others}
+end
+return {id, q, owed_ms()}
 """
 )
 

@@ -1,0 +1,105 @@
+"""How hand-off entries reach the owner's batcher: the owner's blocked `XREADGROUP` on the worker's
+queue stream, and — when the origin of a request is this same replica — the origin's hand-off
+round trip itself, which delivers the new entries to the owner's consumer and hands them over in
+process (issue 20; `scripts._OWN_READ` says why failure semantics stay the same).
+
+A mixin of `OwnerDispatcher` (app/dispatch/owner.py), like `OwnerClaims`: it uses the dispatcher's
+lease, readers and batcher, and keeps the dispatcher under ~500 lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from app import metrics as M
+from app.dispatch.items import QueueItem, parse_item
+from app.state.handoff import GROUP
+from app.state.resp import stream_entries
+
+if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
+    from app.cluster.leases import Lease
+    from app.cluster.loops import LoopHealth
+    from app.state.handoff import Handoff
+    from app.state.resp import RespConnection
+    from app.state.store import StateStore
+
+
+class OwnerIntake:
+    wid: str
+    replica_id: str
+    lease: Lease
+    store: StateStore
+    handoff: Handoff
+    loops: LoopHealth
+    _reader: aioredis.Redis
+    _lean_reader: RespConnection | None
+    _handling: set[str]
+    _claimed_once: asyncio.Event
+    _stopping: bool
+    _draining: bool
+    local_taken: int
+
+    def admit(self, item: QueueItem, now_ms: float) -> None: ...
+
+    def local_lease(self) -> str | None:
+        """The lease value under which the origin in this process may take new entries for us in
+        its hand-off's round trip, or None when it must leave them to the read loop: before our
+        first claim (XAUTOCLAIM would take our own fresh entries as the previous owner's), while
+        draining or stopping (we read no more), and while the lease is in doubt. The script checks
+        the value against Redis' own, so a lease lost meanwhile takes nothing."""
+        if self._stopping or self._draining or not self._claimed_once.is_set() or not self.lease.is_valid():
+            return None
+        return self.lease.value
+
+    def take_local(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
+        """Entries the origin's hand-off delivered to our consumer (in stream order): they join
+        the batcher exactly as the read loop's would. Already in our pending list, so whatever
+        happens to them from here (we stop, the lease moves) is what happens to a read entry."""
+        self._admit_entries(entries)
+        self.local_taken += len(entries)
+        M.HANDOFF_IN_PROCESS.labels("entry").inc(len(entries))
+
+    def _admit_entries(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
+        now = time.time() * 1000
+        for entry_id, fields in entries:
+            item = parse_item(entry_id, fields)
+            self._handling.add(item.entry_id)
+            self.admit(item, now)
+
+    async def _read_entries(self, key: str) -> list[tuple[Any, dict[bytes, bytes]]]:
+        """New entries of the worker's queue for this consumer (blocks up to 100 ms)."""
+        self.store.commands_total += 1
+        if self._lean_reader is not None:
+            reply = await self._lean_reader.call(
+                "XREADGROUP", "GROUP", GROUP, self.replica_id, "COUNT", 256, "BLOCK", 100, "STREAMS", key, ">"
+            )
+            return stream_entries(reply)
+        res = await self._reader.xreadgroup(GROUP, self.replica_id, {key: ">"}, count=256, block=100)
+        return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
+
+    async def _read_loop(self) -> None:
+        name = f"owner_read:{self.wid}"
+        key = self.store.keys.queue(self.wid)
+        need_group = True
+        await self._claimed_once.wait()
+        while not self._stopping and not self._draining:
+            if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                if need_group:  # first read, or the group vanished (Redis came back empty)
+                    await self.handoff.ensure_group(self.wid)
+                    need_group = False
+                entries = await self._read_entries(key)
+                self.loops.ok(name)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis hiccup, NOGROUP after a rebuild: count, back off, retry
+                need_group = True
+                await self.loops.failed(name, exc)
+                continue
+            self._admit_entries(entries)
