@@ -172,3 +172,40 @@ async def test_an_owner_serves_its_own_origin_in_fewer_round_trips(clients, shar
         if left:
             await r.delete(*left)
         await r.aclose()
+
+
+async def test_the_fresh_pick_delivers_to_the_winners_owner_when_it_is_ours(
+    redis_url: str, cluster: str
+) -> None:
+    """`HANDOFF_PICK` (the default with two or more prefill workers): the caller owns B only. When
+    B wins, the entry is delivered to our consumer of B in the round trip; when A wins, nothing is
+    taken and A's owner reads it from its queue as before."""
+    r = aioredis.from_url(redis_url)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    await st.load_scripts()
+    a, b = "prefill@127.0.0.1:1", "prefill@127.0.0.1:2"
+    try:
+        for w in (a, b):
+            await Handoff(st).ensure_group(w)
+        await r.set(keys.owner_lease(b), "me|4", px=60_000)
+        ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
+        ks += [keys.ledger(b), keys.request("none"), keys.owner_lease(a), keys.owner_lease(b)]
+        for u0_b, winner in (("1000", 2), ("-1000", 1)):
+            terms = ["0", "0", "0", u0_b, "0", "0", "1", "0", "0"]
+            args = [100, b"ids", '{"w":"a"}', '{"w":"b"}', "1", "1", "1", "1", *terms, 1, b, b""]
+            args += ["0", "0", "0", "0", GROUP, "", "", "me", "me|4"]
+            res = await st.run_script("handoff_pick", ks, args)
+            assert int(res[3]) == winner
+            if winner == 2:
+                assert len(res) == 10 and int(res[8]) == 1 and res[9] == []
+            else:
+                assert len(res) == 8
+        pend_b = await r.xpending_range(keys.queue(b), GROUP, min="-", max="+", count=10)
+        assert [p["consumer"] for p in pend_b] == [b"me"]
+        assert (await r.xpending(keys.queue(a), GROUP))["pending"] == 0 and await r.xlen(keys.queue(a)) == 1
+    finally:
+        left = await r.keys(f"{cluster}*")
+        if left:
+            await r.delete(*left)
+        await r.aclose()

@@ -17,6 +17,7 @@ from app import metrics as M
 from app.dispatch.items import QueueItem, parse_item
 from app.state.handoff import GROUP
 from app.state.resp import stream_entries
+from app.state.text import to_str as _text
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -59,9 +60,15 @@ class OwnerIntake:
         """Entries the origin's hand-off delivered to our consumer (in stream order): they join
         the batcher exactly as the read loop's would. Already in our pending list, so whatever
         happens to them from here (we stop, the lease moves) is what happens to a read entry."""
-        self._admit_entries(entries)
-        self.local_taken += len(entries)
-        M.HANDOFF_IN_PROCESS.labels("entry").inc(len(entries))
+        if self._stopping:  # they stay pending: the next owner's claim takes them
+            return
+        # Never one already ours: a claim cannot have taken these (our first claim ended before
+        # `local_lease` said yes, and later ones take only long-idle entries), but a double admit
+        # would run a request twice, so it is checked, not assumed.
+        fresh = [(e, f) for e, f in entries if _text(e) not in self._handling]
+        self._admit_entries(fresh)
+        self.local_taken += len(fresh)
+        M.HANDOFF_IN_PROCESS.labels("entry").inc(len(fresh))
 
     def _admit_entries(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
         now = time.time() * 1000

@@ -346,16 +346,31 @@ return {id, q, owed_ms()}
 # the reconciler and the reaper of a dead origin find the queued work where it is.
 # Cross-slot (two workers' tags and the request's), like the tenant GATE: one Redis primary
 # (embedded, standalone or Sentinel), not Redis Cluster — the setting turns it off there.
-# KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH.
+# When the caller owns A or B, it names its consumer and lease value for that side (as HANDOFF's
+# last three arguments; '' for a side it does not own) and the winner's new entries are delivered
+# to it in the same round trip (_OWN_READ).
+# KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH[, lease_a,
+#       lease_b].
 # ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
 #       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B, keys (as HANDOFF; may be
 #       ''), hw_a, hc_a, hw_b, hc_b (a utility's hinge: + hw * max(0, hc + queued + owed); absent = 0)
+#       [, group, consumer_a, lease value_a, consumer_b, lease value_b]
 # → {entry_id | -1, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a, queued_b,
-#    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
+#    owed_b[, own, others (the winner's, when the caller owns it)]} — -1 when both queues are full
+#    (429 overloaded), then winner 1.
 HANDOFF_PICK = (
     _NOW_MS
     + _OWED_OF
+    + _OWN_READ
     + """
+local function taken(w, id, ret)
+  local c = ARGV[24 + 2 * w]
+  if ARGV[25] and c and c ~= '' then
+    local own, others = own_read(KEYS[3 * w - 2], KEYS[7 + w], ARGV[25], c, ARGV[25 + 2 * w], id)
+    ret[9], ret[10] = own, others
+  end
+  return ret
+end
 local max_len = tonumber(ARGV[1])
 local qa = tonumber(redis.call('GET', KEYS[2]) or '0')
 local qb = tonumber(redis.call('GET', KEYS[5]) or '0')
@@ -397,10 +412,10 @@ redis.call('SET', KEYS[2 + k], txt(q))
 if w == 2 then
   if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HSET', KEYS[7], 'prefill_worker', ARGV[19]) end
   loads[3] = txt(q)
-  return {id, txt(q), o3(ob), 2, loads[1], loads[2], loads[3], loads[4]}
+  return taken(2, id, {id, txt(q), o3(ob), 2, loads[1], loads[2], loads[3], loads[4]})
 end
 loads[1] = txt(q)
-return {id, txt(q), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]}
+return taken(1, id, {id, txt(q), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]})
 """
 )
 
