@@ -8,11 +8,14 @@ Real Redis (both flavours for the script), a real Triton worker, a real owner.""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any
 
+import httpx
 import numpy as np
+import redis
 import redis.asyncio as aioredis
 
 from app.cluster.leases import Lease, acquire_leases
@@ -24,6 +27,7 @@ from app.state.resp import stream_entries
 from app.state.store import StateStore
 
 from .conftest import handoff_rig
+from .gateways import start_gateway, wait_for
 
 
 def _own_handoff_cmd(keys: Keys, wid: str, rid: str, lease: str, consumer: str = "me") -> list[Any]:
@@ -209,3 +213,53 @@ async def test_the_fresh_pick_delivers_to_the_winners_owner_when_it_is_ours(
         if left:
             await r.delete(*left)
         await r.aclose()
+
+
+def test_a_single_replica_takes_both_in_process_steps_for_every_request(
+    workers_reset, shared_embedded_redis, tmp_path
+) -> None:
+    """Through a real gateway (one replica: origin and owner of every worker): each request's entry
+    comes to the owner in the hand-off's round trip and its reply in process, so the counters move
+    by one per request each, no reply stream is written, and nothing is left pending."""
+    pool = workers_reset
+    p, d = pool["prefill"][0], pool["decode"][0]
+    cluster = f"t-{uuid.uuid4().hex[:8]}"
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
+    keys = Keys(cluster)
+    wid = f"prefill@{p.address}"
+
+    def counted() -> dict[str, float]:
+        text = httpx.get(gw.url + "/metrics", timeout=10).text
+        out = {}
+        for step in ("entry", "reply"):
+            m = re.search(rf'^flexlb_handoff_in_process_total\{{step="{step}"\}} (\S+)$', text, re.M)
+            out[step] = float(m.group(1)) if m else 0.0
+        return out
+
+    n = 12
+    try:
+        wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
+
+        def warm() -> bool:  # until the owner's first claim ended, entries go through its read
+            body = {"prompt": "warm", "max_new_tokens": 2}
+            resp = httpx.post(gw.url + "/v1/generate", json=body, timeout=30)
+            assert resp.status_code == 200, resp.text
+            return counted()["entry"] > 0
+
+        wait_for(warm, 30, what="the first in-process hand-off")
+        before = counted()
+        for i in range(n):
+            body = {"prompt": f"in-process hand-off {i} " * 20, "max_new_tokens": 2}
+            resp = httpx.post(gw.url + "/v1/generate", json=body, timeout=30)
+            assert resp.status_code == 200, resp.text
+        after = counted()
+        assert {k: after[k] - before[k] for k in after} == {"entry": n, "reply": n}
+        r = redis.Redis.from_url(shared_embedded_redis)
+        try:
+            assert not r.exists(keys.replies(gw.replica_id)), "no reply went through the stream"
+            wait_for(lambda: r.xlen(keys.queue(wid)) == 0, 5, what="queue emptied")
+            assert r.xpending(keys.queue(wid), GROUP)["pending"] == 0
+        finally:
+            r.close()
+    finally:
+        gw.stop()
