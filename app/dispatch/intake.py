@@ -5,9 +5,10 @@ process (issue 20; `scripts._OWN_READ` says why failure semantics stay the same)
 
 Order: the two ways run on two connections, so entries can join the batcher a few places out of
 stream order (concurrent requests of different origins); the batcher orders what waits by class,
-then by its arrival at the owner or its deadline, and nothing relies on stream order. Loss: an answer lost on the way back
-(the hand-off's round trip failed after Redis ran it) leaves its entries pending for our consumer,
-as a lost blocked read does; the periodic re-claim takes them up after `reclaim_idle_ms`.
+then by its arrival at the owner or its deadline, and nothing relies on stream order.
+Loss: an answer lost on the way back (the hand-off's round trip failed after Redis ran it) leaves
+its entries pending for our consumer, as a lost blocked read does; the periodic re-claim takes
+them up after `reclaim_idle_ms`.
 
 A mixin of `OwnerDispatcher` (app/dispatch/owner.py), like `OwnerClaims`: it uses the dispatcher's
 lease, readers and batcher, and keeps the dispatcher under ~500 lines.
