@@ -5,6 +5,7 @@ waited for it, so bench/compare_routers.sh (which waits for its facades after SI
 """
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -23,32 +24,31 @@ def test_sigterm_ends_a_facade_with_an_open_kv_poll_within_its_grace() -> None:
         text=True,
     )
     try:
-        assert proc.stdout is not None and "facade_ready" in proc.stdout.readline()
-    except BaseException:
-        proc.kill()
-        raise
-    # --port 0 binds an ephemeral port: read it back from the listening socket of the process.
-    port = _listening_port(proc.pid)
-    polled = threading.Event()
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "facade_ready"
+        # --port 0 binds an ephemeral port, which the ready line names (the process listens on a
+        # second port, its engine core's: picking "the" listening socket hit that one half the time).
+        port = int(ready["port"])
+        polled = threading.Event()
 
-    def poll() -> None:
-        polled.set()
-        with contextlib.suppress(httpx.HTTPError):  # the facade closing the poll is the point
-            httpx.get(f"http://127.0.0.1:{port}/_facade/kv", params={"room": "never"}, timeout=60)
+        def poll() -> None:
+            polled.set()
+            with contextlib.suppress(httpx.HTTPError):  # the facade closing the poll is the point
+                httpx.get(f"http://127.0.0.1:{port}/_facade/kv", params={"room": "never"}, timeout=60)
 
-    threading.Thread(target=poll, daemon=True).start()
-    assert polled.wait(5)
-    end = time.monotonic() + 10
-    while not _connections(proc.pid, psutil.CONN_ESTABLISHED) and time.monotonic() < end:
-        time.sleep(0.05)  # bounded: until the poll's connection is open on the facade
-    assert _connections(proc.pid, psutil.CONN_ESTABLISHED)
-    # The facade's loop has read the poll's request once a later request on it is answered.
-    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
-    t0 = time.monotonic()
-    proc.terminate()
-    try:
+        threading.Thread(target=poll, daemon=True).start()
+        assert polled.wait(5)
+        end = time.monotonic() + 10
+        while not _connections(proc.pid, psutil.CONN_ESTABLISHED) and time.monotonic() < end:
+            time.sleep(0.05)  # bounded: until the poll's connection is open on the facade
+        assert _connections(proc.pid, psutil.CONN_ESTABLISHED)
+        # The facade's loop has read the poll's request once a later request on it is answered.
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+        t0 = time.monotonic()
+        proc.terminate()
         proc.wait(STOP_GRACE_S + 10)
-    finally:
+    finally:  # whatever failed, the facade we started does not outlive the test
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
@@ -57,9 +57,3 @@ def test_sigterm_ends_a_facade_with_an_open_kv_poll_within_its_grace() -> None:
 
 def _connections(pid: int, status: str) -> list[int]:
     return [int(c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == status]
-
-
-def _listening_port(pid: int) -> int:
-    ports = _connections(pid, psutil.CONN_LISTEN)
-    assert ports, "the facade listens on no TCP port"
-    return ports[0]

@@ -484,7 +484,16 @@ def main(argv: list[str] | None = None) -> int:
         server = uvicorn.Server(ucfg)
         try:
             print(
-                json.dumps({"event": "facade_ready", "name": name, "bootstrap_port": a.bootstrap_port}),
+                json.dumps(
+                    {
+                        "event": "facade_ready",
+                        "name": name,
+                        # the bound port: with --port 0 the only way a caller learns it (the
+                        # engine core listens on a port of its own too)
+                        "port": socks[0].getsockname()[1],
+                        "bootstrap_port": a.bootstrap_port,
+                    }
+                ),
                 flush=True,
             )
             await server.serve(sockets=socks)
