@@ -78,19 +78,15 @@ class ReplyRouter:
                 await self._trim(s(entries[-1][0]))
             for entry_id, f in entries:
                 last = s(entry_id)
-                self.deliver({s(k): s(v) for k, v in f.items()})
-
-    def deliver(self, fields: dict[str, str]) -> None:
-        """One reply to the request waiting for it (or parked until it waits): from the stream,
-        or straight from this replica's own owner (`OwnerDispatcher._reply`, issue 20)."""
-        rid = fields.get("rid", "")
-        fut = self._waiting.pop(rid, None)
-        if fut is not None and not fut.done():
-            fut.set_result(fields)
-        elif fut is None:
-            self._early[rid] = fields
-            while len(self._early) > 10_000:
-                self._early.pop(next(iter(self._early)))
+                fields = {s(k): s(v) for k, v in f.items()}
+                rid = fields.get("rid", "")
+                fut = self._waiting.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(fields)
+                elif fut is None:
+                    self._early[rid] = fields
+                    while len(self._early) > 10_000:
+                        self._early.pop(next(iter(self._early)))
 
     async def _trim(self, upto: str) -> None:
         self.commands_total += 1
