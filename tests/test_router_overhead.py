@@ -43,7 +43,7 @@ def test_router_overhead_quick_flexlb_rows(
         assert 0 < e2e["direct_p50_ms"] < 5_000 and 0 < e2e["gateway_p50_ms"] < 5_000
         assert math.isclose(m["added_p50"], e2e["gateway_p50_ms"] - e2e["direct_p50_ms"], abs_tol=0.002)
         assert m["cpu_seq"] is not None and m["cpu_cl"] > 0  # idle-netted may dip, never the loaded one
-        assert m["redis_seq"] > 0 and m["redis_cl"] > 0
+        assert m["redis_seq"] is not None and m["redis_cl"] > 0  # idle-netted, as cpu_seq: may dip
         assert 0 < m["cores_cl"] <= doc["config"]["cpus"] and m["rps_cl"] > 0
     table = (out / "table.md").read_text().splitlines()
     assert table[0].startswith("| system | added p50 | added p99 | router CPU per request (sequential / 32")
