@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from app.supervise import Console, Proc, spawn
+from workers.server.leftovers import sweep_after_kill
 from workers.server.spawn import ReadyLine
 
 if TYPE_CHECKING:
@@ -312,6 +313,7 @@ def _stop_all(
     console.say("stopping...")
     gw_procs = [p for p in procs if p.is_gateway]
     others = [p for p in procs if not p.is_gateway]
+    killed: list[int] = []
     for group in (gw_procs, others):
         for p in group:
             p.signal()
@@ -321,6 +323,15 @@ def _stop_all(
                 for p, how in zip(group, ends, strict=True):
                     if how != "exited":
                         console.say(f"{p.name}: {how}", err=True)
+                    if how == "killed" and not p.is_gateway:
+                        killed.append(p.popen.pid)
+    if killed:
+        # A SIGKILLed worker could not remove its Triton workspace (~22 MB in /tmp) or its
+        # /dev/shm pools; nothing else on this machine would until a worker starts again.
+        try:
+            sweep_after_kill(killed)
+        except OSError as exc:
+            console.say(f"sweeping killed workers' workspaces failed: {exc!r}", err=True)
     if emb is not None:
         try:
             emb.stop()

@@ -6,11 +6,13 @@ Timing assertions use the engines' modelled timestamps; wall-clock bounds stay l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +26,7 @@ from app.rpc.worker_client import DecodeEvent, PrefillEvent, WorkerClient
 from workers.engine.tokens import output_tokens
 
 from .conftest import start_worker
+from .gateways import wait_for
 
 
 def prompt(seed: int, n: int) -> np.ndarray:
@@ -508,25 +511,25 @@ def test_stale_workspaces_of_dead_workers_are_removed() -> None:
     without an owner file, stays."""
     import tempfile
 
-    from workers.server.launcher import _OWNER_FILE, _ROOT_PREFIX, _SHM_DIR, _SHM_PREFIX, _remove_stale_roots
+    from workers.server.leftovers import OWNER_FILE, ROOT_PREFIX, SHM_DIR, SHM_PREFIX, remove_stale_roots
 
     dead = subprocess.Popen(["true"])
     dead.wait()
     roots = {}
     for name, owner in (("dead", str(dead.pid)), ("alive", str(os.getpid())), ("foreign", None)):
-        root = Path(tempfile.mkdtemp(prefix=_ROOT_PREFIX))
+        root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
         if owner is not None:
-            (root / _OWNER_FILE).write_text(owner)
+            (root / OWNER_FILE).write_text(owner)
         roots[name] = root
     tag = uuid.uuid4().hex[:8]
     pools = {
-        "dead": _SHM_DIR / f"{_SHM_PREFIX}{dead.pid}-{tag}",
-        "alive": _SHM_DIR / f"{_SHM_PREFIX}{os.getpid()}-{tag}",
+        "dead": SHM_DIR / f"{SHM_PREFIX}{dead.pid}-{tag}",
+        "alive": SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{tag}",
     }
     for pool in pools.values():
         pool.write_bytes(b"\0" * 4096)
     try:
-        _remove_stale_roots()
+        remove_stale_roots()
         assert not roots["dead"].exists()
         assert roots["alive"].exists() and roots["foreign"].exists()
         assert not pools["dead"].exists() and pools["alive"].exists()
@@ -535,6 +538,52 @@ def test_stale_workspaces_of_dead_workers_are_removed() -> None:
             shutil.rmtree(root, ignore_errors=True)
         for pool in pools.values():
             pool.unlink(missing_ok=True)
+
+
+def test_up_sweeps_the_workspace_of_a_worker_it_had_to_kill() -> None:
+    """`flexlb up` SIGKILLs a worker that does not stop in time (a second Ctrl-C on a loaded box
+    gives it 3 s; CI saw one left behind). Its sweep removes exactly the killed workers' roots, once
+    no process runs from them (tritonserver and the stubs die a moment after the worker); a root
+    whose owner still lives stays. (A dead owner's root that `flexlb up` did not kill is left to the
+    next worker's start, which any worker on this machine may run at any time: not checked here.)"""
+    import tempfile
+
+    from workers.server.leftovers import OWNER_FILE, ROOT_PREFIX, sweep_after_kill
+
+    dead = [subprocess.Popen(["true"]) for _ in range(2)]
+    for d in dead:
+        d.wait()
+    roots = {}
+    owners = {"killed": dead[0].pid, "orphan": dead[1].pid, "alive": os.getpid()}
+    for name, owner in owners.items():
+        root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
+        (root / OWNER_FILE).write_text(str(owner))
+        roots[name] = root
+    # an orphaned stub of the killed worker, still running from its workspace
+    stub = subprocess.Popen(["bash", "-c", f"exec -a {roots['orphan']}/stub sleep 30"])
+    try:
+        wait_for(lambda: any(str(roots["orphan"]) in c for c in _cmdlines()), 5, 0.02, what="stub up")
+        killer = threading.Timer(0.5, stub.kill)
+        killer.start()
+        removed = sweep_after_kill([dead[0].pid, dead[1].pid, os.getpid()], within_s=5)
+        killer.join()
+        assert set(removed) == {roots["killed"], roots["orphan"]}
+        assert not roots["killed"].exists() and not roots["orphan"].exists()
+        assert roots["alive"].exists()
+    finally:
+        stub.kill()
+        stub.wait()
+        for root in roots.values():
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _cmdlines() -> list[str]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                out.append((entry / "cmdline").read_bytes().decode(errors="replace"))
+    return out
 
 
 def _owner_of(root: Path) -> int | None:

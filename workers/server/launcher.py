@@ -38,12 +38,17 @@ from pytriton.model_config import ModelConfig, Tensor
 from pytriton.triton import TRITON_ACCESS_HEADER, Triton, TritonConfig, TritonSecurityConfig
 
 from app.netports import free_port
+from workers.server.leftovers import (
+    OWNER_FILE,
+    ROOT_PREFIX,
+    SHM_DIR,
+    SHM_PREFIX,
+    our_processes,
+    remove_stale_roots,
+)
 
 log = logging.getLogger("flexlb.worker.triton")
 
-# PyTriton names its Python-backend shared-memory regions "pytrtion<pid>-<hex>" (sic).
-_SHM_DIR = Path("/dev/shm")
-_SHM_PREFIX = "pytrtion"
 _LOG_TAIL_CHARS = 4000
 
 
@@ -77,26 +82,6 @@ def _quiet_pytriton_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _our_processes(marker: str) -> list[int]:
-    """PIDs whose command line mentions `marker` (our unique workspace path).
-
-    Stubs orphaned by tritonserver are re-parented to init, so walking our own child tree misses
-    them; their argv still names the workspace binary, which no other process can share.
-    """
-    pids = []
-    me = os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            pids.append(int(entry.name))
-    return pids
-
-
 # PyTriton starts each model's Python-backend stub with a 4 MiB shared-memory pool that grows 1 MiB
 # at a time. Our prefill batches carry hundreds of KiB per call over many concurrent streams, so the
 # pool grew constantly, and the backend's pool growth under concurrent use is where its known
@@ -105,43 +90,6 @@ def _our_processes(marker: str) -> list[int]:
 # once touched, so the reservation is cheap.
 _SHM_INITIAL_BYTES = 64 << 20
 _SHM_GROWTH_BYTES = 16 << 20
-
-
-_ROOT_PREFIX = "flexlb-triton-"
-_OWNER_FILE = "owner.pid"
-# Triton names the Python-backend pools after the PyTriton process (pytriton/triton.py spells the
-# prefix this way): /dev/shm/pytrtion<pid>-<hash>, 64 MiB each (_SHM_INITIAL_BYTES), two a worker.
-_SHM_DIR = Path("/dev/shm")
-_SHM_PREFIX = "pytrtion"
-
-
-def _remove_stale_roots() -> None:
-    """A worker killed hard (SIGKILL, a crash) cannot remove its workspace (~22 MB each). The next
-    worker to start removes every root whose owner process is gone and that no process (an
-    orphaned tritonserver or stub) still runs from."""
-    for root in Path(tempfile.gettempdir()).glob(f"{_ROOT_PREFIX}*"):
-        try:
-            owner = int((root / _OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # not ours to judge (no owner file)
-        if Path(f"/proc/{owner}").exists() or _our_processes(str(root)):
-            continue
-        shutil.rmtree(root, ignore_errors=True)
-        log.info("removed stale Triton workspace %s (owner %d is gone)", root, owner)
-    _remove_stale_shm()
-
-
-def _remove_stale_shm() -> None:
-    """A worker killed hard also leaves its Python-backend pools in /dev/shm: 128 MiB of memory per
-    crash, for good, and a container's /dev/shm is 64 MiB by default. Removed here once the process
-    they are named after is gone (unlinking never disturbs a process that still maps one)."""
-    for seg in _SHM_DIR.glob(f"{_SHM_PREFIX}*-*"):
-        pid = seg.name[len(_SHM_PREFIX) :].split("-", 1)[0]
-        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
-            continue
-        with contextlib.suppress(OSError):
-            seg.unlink()
-            log.info("removed stale Triton shared memory %s (owner %s is gone)", seg.name, pid)
 
 
 def _size_python_backend_shm() -> None:
@@ -200,9 +148,9 @@ class TritonHost:
         self.http_port = http_port or free_port()
         self.metrics_port = metrics_port or free_port()
         self.address = address
-        _remove_stale_roots()
-        self.root = Path(tempfile.mkdtemp(prefix=_ROOT_PREFIX))
-        (self.root / _OWNER_FILE).write_text(str(os.getpid()))
+        remove_stale_roots()
+        self.root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX))
+        (self.root / OWNER_FILE).write_text(str(os.getpid()))
         self.log_path = log_path or self.root / "tritonserver.log"
         # Set first thing in stop(): long-running infer functions must end when it is set.
         self.stopping = threading.Event()
@@ -333,7 +281,7 @@ class TritonHost:
         seen_server = False
         failure = ""
         while not done.wait(0.2):
-            running = bool(_our_processes(server_bin))
+            running = bool(our_processes(server_bin))
             seen_server = seen_server or running
             if self.stopping.is_set():
                 failure = "stopped while starting"
@@ -414,7 +362,7 @@ class TritonHost:
         server_bin = str(self.root / "workspace" / "tritonserver" / "bin" / "tritonserver")
         deadline = time.perf_counter() + grace_s
         while not self._run_returned.wait(0.2):
-            if time.perf_counter() > deadline or not _our_processes(server_bin):
+            if time.perf_counter() > deadline or not our_processes(server_bin):
                 return False
         return True
 
@@ -459,11 +407,11 @@ class TritonHost:
 
         The stub ignores SIGTERM, so SIGKILL it; then its /dev/shm regions are garbage.
         """
-        for pid in _our_processes(str(self.root)):
+        for pid in our_processes(str(self.root)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
                 log.warning("killed leftover triton process %d", pid)
-        for shm in _SHM_DIR.glob(f"{self._shm_prefix()}*"):
+        for shm in SHM_DIR.glob(f"{self._shm_prefix()}*"):
             with contextlib.suppress(OSError):
                 shm.unlink()
                 log.warning("removed leftover shared memory %s", shm)
@@ -472,9 +420,9 @@ class TritonHost:
         """This server's shm name prefix; PyTriton keeps it privately, so fall back to our pid."""
         with contextlib.suppress(Exception):
             prefix = self._triton._python_backend_config["shm-region-prefix-name"]
-            if isinstance(prefix, str) and prefix.startswith(_SHM_PREFIX):
+            if isinstance(prefix, str) and prefix.startswith(SHM_PREFIX):
                 return prefix
-        return f"{_SHM_PREFIX}{os.getpid()}-"
+        return f"{SHM_PREFIX}{os.getpid()}-"
 
     def _console_tail(self) -> str:
         """Exit status and the last console lines PyTriton captured from tritonserver (private
