@@ -87,7 +87,7 @@ class Settings(BaseSettings):
         -0.15, description="admit while predicted TTFT <= deadline x (1 + slack); < 0 keeps headroom"
     )
     reserve_output_tokens: str = Field(
-        "max", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"
+        "p90", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"
     )
     admission_drop_late: str = Field(
         "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"

@@ -19,6 +19,7 @@ import itertools
 import json
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import replace
@@ -150,22 +151,31 @@ def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
 
 # Suffix → (SimConfig flag, value). Both flags default to the live gateway's settings (on), so
 # ``-fresh`` / ``-shared`` turn one off; ``+`` turns it on where the environment turned it off.
+# ``+expected`` / ``-expected``: the decode engines admit on expected use and preempt (`expected`)
+# or hold prompt + max_new_tokens (`reserve`, SimConfig's default).
 SUFFIXES = {
     "+fresh": ("fresh_pick", True),
     "+shared": ("shared_speculative", True),
     "-fresh": ("fresh_pick", False),
     "-shared": ("shared_speculative", False),
+    "+expected": ("decode_admission", "expected"),
+    "-expected": ("decode_admission", "reserve"),
 }
+# ``+res:POLICY`` (max | mean | pXX): the decode KV the origin reserves per request
+# (`SimConfig.reserve_output_tokens`, live `FLEXLB_RESERVE_OUTPUT_TOKENS`; default the live setting).
+RESERVE = re.compile(r"\+res:(max|mean|p[0-9.]+)")
 
 
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
-    """``NAME[@BATCHING][±fresh][±shared]``: ``fresh`` is `SimConfig.fresh_pick` (the policy's
-    `Policy.second_look` on fresh shared load, live `FLEXLB_FRESH_PICK`), ``shared`` is
-    `SimConfig.shared_speculative` (speculative cache entries published through the owner to every
-    replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by default, as live."""
+    """``NAME[@BATCHING][±fresh][±shared][±expected][+res:POLICY]``: ``fresh`` is
+    `SimConfig.fresh_pick` (the policy's `Policy.second_look` on fresh shared load, live
+    `FLEXLB_FRESH_PICK`), ``shared`` is `SimConfig.shared_speculative` (speculative cache entries
+    published through the owner to every replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by
+    default, as live. ``expected`` is the decode engines' admission, ``res:`` the origin's
+    `reserve_output_tokens`."""
     out = []
     for n in names:
-        base = n
+        base = RESERVE.sub("", n)
         for suf in SUFFIXES:
             base = base.replace(suf, "")
         strategy, _, batching = base.partition("@")
@@ -173,8 +183,12 @@ def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
     return out
 
 
-def _flags(name: str) -> tuple[tuple[str, bool], ...]:
-    return tuple(fv for suf, fv in SUFFIXES.items() if suf in name)
+def _flags(name: str) -> tuple[tuple[str, Any], ...]:
+    flags: list[tuple[str, Any]] = [fv for suf, fv in SUFFIXES.items() if suf in name]
+    m = RESERVE.search(name)
+    if m:
+        flags.append(("reserve_output_tokens", m.group(1)))
+    return tuple(flags)
 
 
 def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
@@ -200,6 +214,9 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
         "rejections": m.get("rejections", {}),
         "errors": m.get("errors", {}),
         "mean_batch": m.get("mean_batch_size"),
+        "tpot_p99_ms": m.get("tpot_p99_ms"),
+        "e2e_p99_ms": m.get("e2e_p99_ms"),
+        "decode_preemptions": m.get("decode_preemptions", 0),
     }
 
 

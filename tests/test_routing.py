@@ -341,6 +341,21 @@ def test_kv_headroom_fit_and_no_worker() -> None:
         make_decode_policy("kv_headroom").choose(q, [dw("B", up=False)], rng())
 
 
+def test_a_learned_reservation_never_places_a_request_where_its_maximum_cannot_fit() -> None:
+    """`reserve_output_tokens` p90 (the default) reserves input + a learned output length below the
+    request's max_new_tokens; a worker whose whole KV is smaller than input + max_new_tokens would
+    refuse the sequence (TOO_LONG after its prefill), so it is not eligible, however free it is."""
+    q = DecodeQuery(1000, 200, limit_tokens=1000 + 4000)
+    small = dw("A", kv_total_tokens=4_000, kv_free_tokens=4_000)  # 1,200 reserved fits, 5,000 never
+    big = dw("B", kv_total_tokens=8_000, kv_free_tokens=1_500)  # less free, but can hold the maximum
+    choice = make_decode_policy("kv_headroom").choose(q, [small, big], rng())
+    assert (choice.worker_id, choice.score) == ("B", 1_500.0)
+    with pytest.raises(NoWorker, match="headroom for 1200 tokens"):
+        make_decode_policy("kv_headroom").choose(q, [small], rng())
+    # Without a limit the reservation alone decides (the query as `max` builds it: limit = need).
+    assert make_decode_policy("kv_headroom").choose(DecodeQuery(1000, 200), [small], rng()).worker_id == "A"
+
+
 def test_kv_headroom_near_tie_within_five_percent() -> None:
     workers = [
         dw("A", kv_free_tokens=100_000),

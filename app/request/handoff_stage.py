@@ -269,9 +269,9 @@ class HandoffStage(RequestContext):
         for _ in range(tries):
             views = [v for v in self.views("decode") if v.id not in refused]
             try:
-                dec = self.runtime.decode_strategy.choose(
-                    DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens)), views, self.rng
-                )
+                n = len(req.input_ids)
+                dq = DecodeQuery(n, need - n, n + req.max_new_tokens)
+                dec = self.runtime.decode_strategy.choose(dq, views, self.rng)
             except NoWorker:
                 return False
             cap = int(float(self.fleet.snapshots.get(dec.worker_id, {}).get("kv_total_tokens", 0) or 0))

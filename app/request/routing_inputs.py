@@ -244,7 +244,8 @@ class RoutingInputs(RequestContext):
             return
         views = self.views("decode")
         try:
-            dq = DecodeQuery(len(req.input_ids), self.out_est.reserve(req.max_new_tokens))
+            n = len(req.input_ids)
+            dq = DecodeQuery(n, self.out_est.reserve(req.max_new_tokens), n + req.max_new_tokens)
             p.decode_worker = self.runtime.decode_strategy.choose(dq, views, self.rng).worker_id
         except NoWorker as exc:
             need = len(req.input_ids) + req.max_new_tokens

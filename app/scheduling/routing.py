@@ -106,15 +106,23 @@ class PrefillQuery:
 
 @dataclass(frozen=True, slots=True)
 class DecodeQuery:
-    """One request to place on a decode worker: it will hold at most input + max_new tokens of KV."""
+    """One request to place on a decode worker: input + max_new tokens of KV reserved for it.
+
+    `max_new_tokens` is what the origin reserves (`reserve_output_tokens`: the request's own
+    maximum, or a learned mean / percentile below it). `limit_tokens` is the most KV the request
+    may ever hold (input + its own max_new_tokens; 0: the reservation): a worker whose whole KV is
+    smaller refuses the sequence outright (the engine's TOO_LONG, after a wasted prefill), so it
+    is never eligible, however little is reserved."""
 
     input_tokens: int
     max_new_tokens: int
+    limit_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.input_tokens < 0 or self.max_new_tokens < 0:
+        if self.input_tokens < 0 or self.max_new_tokens < 0 or self.limit_tokens < 0:
             raise ValueError(
-                f"token counts must be >= 0, got input {self.input_tokens}, max_new {self.max_new_tokens}"
+                f"token counts must be >= 0, got input {self.input_tokens}, max_new {self.max_new_tokens}, "
+                f"limit {self.limit_tokens}"
             )
 
     @property
@@ -300,6 +308,7 @@ def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list
     preempt or fail, which costs far more than any balancing gain. Raises NoWorker.
     """
     need = q.input_tokens + q.max_new_tokens
+    limit = max(need, q.limit_tokens)
     out: list[WorkerView] = []
     heads: list[int] = []
     live = 0
@@ -307,6 +316,8 @@ def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list
         if not w.up or w.draining or w.role != DECODE:
             continue
         live += 1
+        if 0 < w.kv_total_tokens < limit:
+            continue  # could never hold the request at its own maximum, however little is reserved
         head = decode_headroom(w)
         if head >= need:
             out.append(w)

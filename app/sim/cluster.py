@@ -255,6 +255,9 @@ class ClusterSim:
             batches=self.n_batches,
             events=self.events,
             end_ms=self.now,
+            # Decode preemptions (admission="expected": a sequence evicted and recomputed when the
+            # running batch's growth overflowed the KV): the churn an under-reservation costs.
+            extra={"decode_preemptions": sum(e.preemptions for e in self.deng)},
         )
 
     # ---- origin: route, reserve, hand off --------------------------------------------------
@@ -268,7 +271,7 @@ class ClusterSim:
         rid = f"r{i}"
         # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
         if max_new > 1:
-            dq = DecodeQuery(size, self.out_est.reserve(max_new))
+            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new)
             try:
                 d = rep.choose_decode(dq)
             except NoWorker:

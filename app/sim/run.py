@@ -128,6 +128,7 @@ def run_simulation(
         m["flush_reasons"] = res.flush_reasons
         m["rejections"] = res.rejections
         m["events"] = res.events
+        m.update(res.extra)
         out[spec.name] = m
         records[spec.name] = res.records
         outcomes[spec.name] = res
