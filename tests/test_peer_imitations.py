@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.plugins import registry
@@ -163,3 +164,47 @@ def test_simulator_runs_them_by_name_without_admission() -> None:
         # every routed prefill was taken off the in-flight counts again
         for rep in sim.replicas:
             assert not any(rep.pstrat.picker.inflight.values()), name  # type: ignore[attr-defined]
+
+
+class _PeakReserved(ClusterSim):
+    """`ClusterSim` noting the most decode KV the gateway held reserved on any worker after each
+    arrival (where the origin reserves)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.peak_reserved = 0
+
+    def _arrival(self, i: int) -> None:
+        super()._arrival(i)
+        self.peak_reserved = max(self.peak_reserved, *self.reserved)
+
+
+def test_peer_imitations_reserve_no_decode_kv_and_their_engines_preempt() -> None:
+    """The routers imitated reserve nothing on decode workers: they pick one by their own policy
+    and the engine (vLLM, SGLang) admits on the KV a sequence uses, preempting (recompute) when it
+    runs out. So under decode pressure that makes FlexLB's own gateway refuse (its reservation of
+    prompt + max_new_tokens), the imitations refuse nothing and their engines preempt instead."""
+    # 80 prompts of 16K tokens and 8K outputs in 4 s on 2 decode workers of 450K tokens: the
+    # reservations (24K each) fill the decode KV after 36 requests; the prompts alone do not.
+    t = synthetic_trace(
+        80, 20.0, prefix_groups=1, prefix_blocks=0, unique_blocks=4, block_size=4096, output_len=8000, seed=3
+    )
+    cfg = SimConfig(prefill=4, decode=2, seed=1, slo_ttft_ms=60_000)
+    own = _PeakReserved(t, cfg, "cost", batcher_config("window", 60_000))
+    own.run()
+    assert (
+        own.rejections.get("decode_no_kv_headroom", 0) + own.rejections.get("decode_reserve_refused", 0) > 0
+    )
+    assert own.peak_reserved > 400_000
+    assert {e.admission for e in own.deng} == {"reserve"}  # FlexLB's own policies: unchanged
+    for name in PEERS:
+        sim = _PeakReserved(t, cfg, name, batcher_config("window", 60_000))
+        out = sim.run()
+        assert not sim.rejections, (name, sim.rejections)
+        assert all(r.error is None for r in out.records), name
+        assert sim.peak_reserved == 0, name
+        assert {e.admission for e in sim.deng} == {"expected"}, name
+        assert out.extra["decode_preemptions"] > 0, name
+        # both decode workers used, and every decode pick taken off the router's in-flight counts
+        assert {r.decode_worker for r in out.records} == set(sim.dids), name
+        assert not any(sim.replicas[0].pstrat.picker.inflight.values()), name  # type: ignore[attr-defined]

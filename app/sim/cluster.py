@@ -22,7 +22,9 @@ Information flow modelled after the live gateway (DESIGN §3, §5):
   and keeps its own speculative cache entries (``speculative_ttl_ms``) for prefixes it just routed;
 - a hand-off reaches the owner's batcher ``handoff_latency_ms`` later, a prefill result reaches the
   origin ``reply_latency_ms`` later; decode reservations are checked atomically at routing time
-  against the worker's KV, as the reserve script does.
+  against the worker's KV, as the reserve script does. A peer router imitation (`Policy.peer`)
+  reserves nothing: its own picker chooses the decode worker and the decode engines admit on use
+  and preempt (`admission="expected"`), as behind the routers imitated.
 
 Determinism: one heap ordered by (time, insertion number), every random draw from a generator seeded
 from the run's seed, and no iteration over unordered sets where the order could matter, so the same
@@ -156,6 +158,12 @@ class ClusterSim:
         self.p_dirty = [True] * np_
         self.d_dirty = [True] * nd
         self.replicas = [SimReplica(r, self, policy) for r in range(cfg.replicas)]
+        if self.replicas[0].peer:
+            # The engines behind the peer routers (vLLM, SGLang) admit on the KV a sequence uses
+            # and preempt (recompute) when the batch's growth overflows it; nothing is reserved
+            # for them upstream (`_arrival`), so `reserve` here would only queue what they run.
+            for e in self.deng:
+                e.set_admission("expected")
         self.reqs = [ReqState() for _ in trace.requests]
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = 0
@@ -269,8 +277,13 @@ class ClusterSim:
         size = tr.input_len
         max_new = max(1, tr.output_len)
         rid = f"r{i}"
-        # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
-        if max_new > 1:
+        keys = self.trace.full_block_keys(tr)
+        if max_new > 1 and rep.peer:
+            # A peer router reserves nothing: it picks the decode worker by its own policy and the
+            # decode engine admits on use (`admission="expected"`, set in __init__).
+            st.decode = rep.peer_decode(PrefillQuery(size, {}, self.bs, keys))
+        elif max_new > 1:
+            # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
             dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new)
             try:
                 d = rep.choose_decode(dq)
@@ -298,7 +311,6 @@ class ClusterSim:
             self.d_dirty[d] = True
             st.decode = d
             st.reserved = need
-        keys = self.trace.full_block_keys(tr)
         rep.age(self.now)  # the live origin ages owed ms read by its hand-offs per request
         q = rep.prefill_query(size, keys, self.now)
         try:
@@ -519,7 +531,12 @@ class ClusterSim:
                     self._fail(i, "worker_error")
         self.d_dirty[d] = True
 
-    def _release_reservation(self, st: ReqState) -> None:
+    def _release_reservation(self, st: ReqState, i: int) -> None:
+        rep = self.replicas[st.origin]
+        if rep.peer and st.decode >= 0:  # off the peer router's own in-flight counts
+            rep.pstrat.finished(
+                self.dids[st.decode], PrefillQuery(self.trace.requests[i].input_len, {}, self.bs)
+            )
         if st.reserved and st.decode >= 0:
             self.reserved[st.decode] -= st.reserved
             self.d_dirty[st.decode] = True
@@ -530,7 +547,7 @@ class ClusterSim:
         if st.done:
             return
         st.done = True
-        self._release_reservation(st)
+        self._release_reservation(st, i)
         self.done += 1
 
     def _fail(self, i: int, code: str) -> None:
@@ -539,5 +556,5 @@ class ClusterSim:
             return
         st.error = code
         st.done = True
-        self._release_reservation(st)
+        self._release_reservation(st, i)
         self.done += 1

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from app.cache.mirror import SpecIndex
+from app.scheduling.plugins.registry import Candidates
 from app.scheduling.policy import DECODE, PREFILL
 from app.scheduling.routing import (
     Choice,
@@ -110,6 +111,15 @@ class SimReplica:
         except NoWorker:
             kept = []
         self.pool = [self.pindex[v.id] for v in kept]
+
+    def peer_decode(self, q: PrefillQuery) -> int:
+        """A peer router imitation's decode worker: its own picker over every decode worker (the
+        routers imitated run their policy on the decode pool too; a decode engine's prefix cache
+        is not modelled, so no decode worker reports a hit). The picker counts it in flight until
+        `ClusterSim` reports the request's end (`Policy.finished`)."""
+        views = self.dviews
+        i, _ = self.pstrat.picker.pick(q, Candidates(list(views), [0] * len(views)), None, 1.0, self.rng)
+        return i
 
     def choose_decode(self, q: DecodeQuery) -> int:
         """Index of the decode policy's choice, over a shortlist on a large fleet."""

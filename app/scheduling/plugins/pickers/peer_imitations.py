@@ -32,6 +32,15 @@ without them the trees stay empty and the cache-aware ones balance by load only.
   (prefill blocks: blocks the prompt must compute there plus the router's own in-flight prefill
   blocks on it; decode blocks: KV blocks active on the worker), lowest wins, overlap_weight 1.
 
+Decode: the routers reserve no decode KV and refuse nothing for it. Each picks the decode worker
+with its own policy (SGLang / vLLM router in P/D mode: `decode_policy` unset falls back to
+`--policy`, so the same `cache_aware`, in flight counted until the response ends; llm-d: its
+scorers on the decode pods; Dynamo: its KV cost on the decode workers) and the engine behind it
+(vLLM, SGLang) admits on the KV a sequence uses and preempts (recompute) when it runs out. The
+simulator does the same for them (`SimReplica.peer_decode`, its decode engines on
+`admission="expected"`); a decode engine's prefix cache is not modelled, so no decode worker
+reports a hit to them.
+
 Pure (no clock, no I/O); random draws only from the ``rng`` passed in. Ties are drawn over the
 tied candidates in their given order, as the routers do.
 """
