@@ -191,13 +191,32 @@ def _flags(name: str) -> tuple[tuple[str, Any], ...]:
     return tuple(flags)
 
 
-def run_specs(tr: Trace, cfg: SimConfig, todo: list[PolicySpec]) -> dict[str, dict[str, Any]]:
-    """Each spec's summary; those with suffixes in runs of their own with those flags on."""
+def run_specs(
+    tr: Trace, cfg: SimConfig, todo: list[PolicySpec], tpot_slo_ms: float | None = None
+) -> dict[str, dict[str, Any]]:
+    """Each spec's summary; those with suffixes in runs of their own with those flags on. With
+    ``tpot_slo_ms``, also ``goodput_tpot_ratio``: the share of requests whose TTFT met the SLO and
+    whose TPOT (a single-token answer has none) stayed within ``tpot_slo_ms``: goodput counts TTFT
+    only, so a decode side that admits everything and preempts shows its cost only there."""
     out: dict[str, dict[str, Any]] = {}
     for flags in sorted({_flags(p.name) for p in todo}):
         group = [p for p in todo if _flags(p.name) == flags]
         cfg_g = replace(cfg, **dict(flags)) if flags else cfg
-        out.update(run_simulation(tr, cfg_g, group).policies)
+        res = run_simulation(tr, cfg_g, group)
+        for p in group:
+            m = dict(res.policies[p.name])
+            if tpot_slo_ms is not None:
+                recs = res.records[p.name]
+                good = sum(
+                    1
+                    for r in recs
+                    if r.error is None
+                    and r.ttft_ms is not None
+                    and r.ttft_ms <= cfg_g.slo_ttft_ms
+                    and (r.tpot_ms is None or r.tpot_ms <= tpot_slo_ms)
+                )
+                m["goodput_tpot_ratio"] = good / len(recs) if recs else 0.0
+            out[p.name] = m
     return {p.name: out[p.name] for p in todo}
 
 
@@ -217,6 +236,9 @@ def row(m: dict[str, Any]) -> dict[str, Any]:
         "tpot_p99_ms": m.get("tpot_p99_ms"),
         "e2e_p99_ms": m.get("e2e_p99_ms"),
         "decode_preemptions": m.get("decode_preemptions", 0),
+        **(
+            {"goodput_tpot_pct": round(100 * m["goodput_tpot_ratio"], 2)} if "goodput_tpot_ratio" in m else {}
+        ),
     }
 
 
@@ -409,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="cost: power of two on fresh load (default: the live setting, on)",
     )
+    ap.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=None,
+        help="also goodput_tpot_pct in the JSON: TTFT within the SLO and TPOT within this",
+    )
     ap.add_argument("--seeds", type=int, default=2, help="seeds for the --repeat policies (averaged)")
     ap.add_argument("--repeat", default="cost,cost@direct", help="policies run with every seed")
     ap.add_argument("--render", default=None, help="only render this cliff.json as markdown")
@@ -443,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                     todo = pols if seed == 0 else [p for p in pols if p.name in args.repeat.split(",")]
                     if not todo:
                         continue
-                    for pname, m in run_specs(tr, replace(cfg, seed=seed), todo).items():
+                    for pname, m in run_specs(tr, replace(cfg, seed=seed), todo, args.tpot_slo_ms).items():
                         rows.setdefault(pname, []).append(row(m))
                 for pname, rs in rows.items():
                     out = results.setdefault(tname, {}).setdefault(str(nrep), {}).setdefault(pname, {})
