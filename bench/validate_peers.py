@@ -11,6 +11,7 @@ the routing decisions from what the engines then kept.
 
     nice -n 10 .venv/bin/python bench/validate_peers.py                 # live run + simulator
     nice -n 10 .venv/bin/python bench/validate_peers.py --live DIR      # reuse a live run's folder
+    nice -n 10 .venv/bin/python bench/validate_peers.py --sim-only      # the simulator side alone
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main() -> None:
     ap.add_argument(
         "--live", type=Path, help="a compare_routers.sh OUT folder of this slice (skips the live run)"
     )
+    ap.add_argument(
+        "--sim-only", action="store_true", help="only the simulator side (a change to the imitations)"
+    )
     ap.add_argument("--output", type=Path, default=DEFAULT_OUT / "validate_peers")
     args = ap.parse_args()
     out = args.output
@@ -100,7 +104,7 @@ def main() -> None:
     path = prepare(args, out)
     trace = load_trace(path)
     live = args.live
-    if live is None:
+    if live is None and not args.sim_only:
         live = out / "live"
         env = {**os.environ, "TRACE": str(path), "SLICE": f"0:{len(trace.requests)}", "SPEED": "1"}
         env |= {"MAX_OUT": str(args.max_out), "SYSTEMS": "sglang vllm", "OUT": str(live)}
@@ -127,16 +131,19 @@ def main() -> None:
         for n in names:
             sim.setdefault(n, []).append(hits(trace, records(so / "records.jsonl.gz", n)))
     rows = []
-    for folder, imitation in LIVE.items():
+    for folder, imitation in {} if live is None else LIVE.items():
         eng, rt = hits(trace, records(live / folder / "records.jsonl.gz"))
         s_eng = sum(x[0] for x in sim[imitation]) / len(sim[imitation])
         s_rt = sum(x[1] for x in sim[imitation]) / len(sim[imitation])
         rows.append({"live": folder, "imitation": imitation, "live_hit": eng, "live_routing_hit": rt})
         rows[-1] |= {"imitation_hit": s_eng, "imitation_routing_hit": s_rt, "diff_hit": s_eng - eng}
     for n in names:
-        if n not in LIVE.values():
+        if live is None or n not in LIVE.values():
             e = sum(x[0] for x in sim[n]) / len(sim[n])
-            rows.append({"live": "-", "imitation": n, "imitation_hit": e})
+            rt = sum(x[1] for x in sim[n]) / len(sim[n])
+            span = f"{min(x[0] for x in sim[n]):.1f}-{max(x[0] for x in sim[n]):.1f}"
+            rows.append({"live": "-", "imitation": n, "imitation_hit": e, "imitation_routing_hit": rt})
+            rows[-1]["imitation_hit_span"] = span
     console.print(
         "| live router | imitation | live hit % | live routing-implied % | imitation hit % | its routing % |"
     )
