@@ -164,6 +164,7 @@ class Replica:
             cancel_on=lambda wid, rid: self.views.client(wid).cancel(rid, timeout=2.0),
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
+        self.ownership.local_reply = self.replies.deliver
         self.pipeline = Pipeline(
             replica_id=self.replica_id,
             settings=settings,
@@ -177,6 +178,7 @@ class Replica:
             terminal=self.terminal,
             tokenizer=self.tokenizer,
             wake_owner=self.ownership.wake,
+            local_owner=self.ownership.dispatchers.get,
             health=lambda: (self.redis_ok, self.redis_reason),
             accepting=lambda: self.accepting,
         )

@@ -210,6 +210,7 @@ class StateStore:
         *,
         epoch: str = "",
         take_ms: float = 0.0,
+        then: Sequence[Sequence[Any]] = (),
     ) -> list[str]:
         """Record a dispatched batch in the worker's ledger and return the members that were kept.
 
@@ -221,7 +222,9 @@ class StateStore:
         owner's anchor for when the worker starts the batch, in ms since the epoch. It may lie in
         the future for a batch queued behind others. `epoch` is the worker epoch the batch was
         sent to. `take_ms` (the batch's predicted ms) comes off the hand-off queue's queued-time
-        counter in the same step, once: the entries have left the queue.
+        counter in the same step, once: the entries have left the queue. `then`: informational
+        commands sent after the commit in the same round trip (the owner's `dispatched` marks,
+        issue 20), their replies ignored; they run whatever the commit answered.
         """
         expected = f"{lease_holder}|{fence}"
         if fence <= 0:
@@ -239,16 +242,23 @@ class StateStore:
             },
             separators=(",", ":"),
         )[:-1]
-        res = await self.run_script(
-            "commit_batch",
-            [
-                self.keys.owner_lease(wid),
-                self.keys.ledger(wid),
-                self.keys.tombstones(wid),
-                self.keys.queued_ms(wid),
-            ],
-            [expected, batch_id, head, f"{float(take_ms):.6f}", *uniq],
-        )
+        cmd = [
+            "EVALSHA",
+            self.sha("commit_batch"),
+            4,
+            self.keys.owner_lease(wid),
+            self.keys.ledger(wid),
+            self.keys.tombstones(wid),
+            self.keys.queued_ms(wid),
+            expected,
+            batch_id,
+            head,
+            f"{float(take_ms):.6f}",
+            *uniq,
+        ]
+        res, *_ = await self.execute_scripts([cmd, *then])
+        if isinstance(res, ResponseError):
+            raise res
         if int(res[0]) == -1:
             raise FencedOut(wid, expected, _s(res[1]))
         kept = json.loads(_s(res[1]))
@@ -387,15 +397,6 @@ class StateStore:
             outcome_json if terminal else "",
             *_flatten(fields, _REQUEST_RESERVED),
         ]
-
-    async def transition_many(
-        self, request_ids: Sequence[str], to_state: str, fields: Mapping[str, Any] | None = None
-    ) -> None:
-        """The same forward (non-terminal) step for several requests in one round trip: the owner
-        marks a committed batch's members `dispatched`. Refusals (already further on, or ended)
-        are expected and ignored, and so is a NOSCRIPT (these marks are informational)."""
-        assert to_state not in TERMINAL
-        await self.execute([self.transition_cmd(rid, to_state, fields) for rid in request_ids])
 
     async def get_request(self, request_id: str) -> dict[str, Any] | None:
         """The lifecycle record. Values are strings, except `outcome`, which is decoded from JSON."""
