@@ -17,6 +17,7 @@ lease, readers and batcher, and keeps the dispatcher under ~500 lines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +26,8 @@ from app.dispatch.items import QueueItem, parse_item
 from app.state.handoff import GROUP
 from app.state.resp import stream_entries
 from app.state.text import to_str as _text
+
+log = logging.getLogger("flexlb.owner")
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -52,6 +55,8 @@ class OwnerIntake:
     _stopping: bool
     _draining: bool
     local_taken: int
+    # The pending publish of in-process entries' speculative records (one at a time).
+    _spec_flush: asyncio.Task[None] | None = None
 
     def admit(self, item: QueueItem, now_ms: float) -> None: ...
 
@@ -78,6 +83,30 @@ class OwnerIntake:
         self._admit_entries(fresh)
         self.local_taken += len(fresh)
         M.HANDOFF_IN_PROCESS.labels("entry").inc(len(fresh))
+        if self.spec_out and self._spec_flush is None:
+            self._spec_flush = asyncio.create_task(self._flush_spec(), name=f"spec_flush:{self.wid}")
+
+    async def _flush_spec(self) -> None:
+        """Publish the speculative records of entries handed over in process. They skip the read
+        loop, whose next read (up to its 100 ms block away) would carry them, while the other
+        replicas route on them now: one pipelined write at once, on the store's pool. A hint with
+        a TTL: a failure is counted and logged, not retried."""
+        try:
+            await asyncio.sleep(0)  # the same tick's hand-offs join this write
+            cmds = self.spec_out.take(self.store.keys.spec_stream(self.wid), time.time() * 1000)
+            if not cmds:
+                return
+            self.store.commands_total += len(cmds)
+            async with self.store.redis.pipeline(transaction=False) as pipe:
+                for c in cmds:
+                    pipe.execute_command(*c)
+                replies = await pipe.execute(raise_on_error=False)
+            M.count_shared_spec(replies)
+        except Exception as exc:  # Redis hiccup: the records are lost hints, counted
+            M.count_shared_spec([exc])
+            log.warning("speculative records of %s not published: %s", self.wid, exc)
+        finally:
+            self._spec_flush = None
 
     def _admit_entries(self, entries: list[tuple[Any, dict[bytes, bytes]]]) -> None:
         now = time.time() * 1000
