@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -23,7 +24,7 @@ from app.dispatch.owner import OwnerDispatcher
 from app.state import scripts
 from app.state.handoff import GROUP, Handoff, pack_tokens
 from app.state.keys import Keys
-from app.state.resp import stream_entries
+from app.state.resp import RespConnection, stream_entries
 from app.state.store import StateStore
 
 from .conftest import handoff_rig
@@ -114,6 +115,56 @@ async def test_an_owners_own_handoff_is_delivered_once_and_left_pending(redis_ur
             await r.delete(*left)
         await r.aclose()
         await reader.aclose()
+
+
+async def test_what_a_handoff_took_reaches_the_owner_when_its_request_is_cancelled(
+    redis_url: str, cluster: str
+) -> None:
+    """The entries a hand-off took for our owner (ours and other origins' it had not read) are
+    handed over as the reply arrives, also when the request that sent it was cancelled before then
+    (its client gone, its deadline): they are pending for our consumer, and otherwise nothing but
+    the periodic re-claim, `reclaim_idle_ms` later, would admit them — the other origins' requests
+    would wait that long. Over the lean connection the request path uses."""
+    r = aioredis.from_url(redis_url)
+    fast = RespConnection.from_url(redis_url)
+    assert fast is not None
+    keys = Keys(cluster)
+    st = StateStore(r, keys, fast=fast)
+    await st.load_scripts()
+    h = Handoff(st)
+    wid = "prefill@127.0.0.1:11"
+    try:
+        await h.ensure_group(wid)
+        await r.set(keys.owner_lease(wid), "me|3", px=60_000)
+        other, _, _ = await h.append(wid, {"rid": "o1", "origin": "x"}, pack_tokens([1, 2]), 1.0, 100)
+        ks, args = _own_handoff_cmd(keys, wid, "c1", "me|3")
+        taken: list[Any] = []
+        trip = asyncio.create_task(
+            st.execute_scripts([["EVALSHA", st.sha("handoff"), len(ks), *ks, *args]], taken.append)
+        )
+        await asyncio.sleep(0)  # the round trip is written; its reply cannot have been read yet
+        assert not taken
+        trip.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await trip
+        deadline = time.monotonic() + 5
+        while not taken and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert len(taken) == 1, "the reply's hand-over was dropped with its cancelled request"
+        out = taken[0]
+        assert int(out[3]) == 1
+        assert [e.decode() for e, _ in stream_entries([(b"", out[4])])] == [other]
+        pending = await r.xpending_range(keys.queue(wid), GROUP, min="-", max="+", count=10)
+        assert [(x["message_id"].decode(), x["consumer"].decode()) for x in pending] == [
+            (other, "me"),
+            (out[0].decode(), "me"),
+        ]
+    finally:
+        left = await r.keys(f"{cluster}*")
+        if left:
+            await r.delete(*left)
+        await r.aclose()
+        await fast.close()
 
 
 async def test_an_owner_serves_its_own_origin_in_fewer_round_trips(clients, shared_embedded_redis) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,22 +167,32 @@ class HandoffStage(RequestContext):
             owners = [self._owner_here(wid), self._owner_here(pair.pair.alt.worker_id)]
             cmds.append(self._pick_command(rid, wid, meta_json, predicted, ids, pair, packed_keys, owners))
             metas = [meta_json, pair.meta_json]
+        take: Callable[[Any], None] | None = None
+        if any(o is not None for o in owners):
+            at = 3 if pair is None else 8  # where the script put what it took for our owner
+
+            def take_here(out: Any) -> None:
+                """Hand our owner the entries the hand-off took for it as the reply arrives,
+                whatever becomes of this request meanwhile (cancelled, timed out, another reply
+                of the round trip in error): other origins' are among them, and otherwise only
+                the periodic re-claim (`reclaim_idle_ms` later) would find them. An answer lost
+                with its connection leaves them to it, as a lost answer to the owner's read does."""
+                if isinstance(out, list) and len(out) > at:
+                    w = 0 if pair is None else int(out[3]) - 1
+                    here = owners[w]
+                    if here is not None:
+                        _take_here(here[0], out, at, metas[w], ids, packed_keys)
+
+            take = take_here
+
         # Whatever applied before a failure must be cleaned up as if handed off.
         p.stage = "handed_off"
         try:
-            res = await self._round_trip(cmds, req)
+            res = await self._round_trip(cmds, req, take)
         except ApiError:  # only the tenant's limit raises it, and then nothing was written
             p.stage = "new"
             raise
         out = res[-1]
-        at = 3 if pair is None else 8  # where the script put what it took for our owner
-        if len(out) > at:
-            # First, before anything can raise: these entries are our owner's pending ones now,
-            # other origins' among them, and only the periodic re-claim would find them otherwise.
-            w = 0 if pair is None else int(out[3]) - 1
-            here = owners[w]
-            if here is not None:
-                _take_here(here[0], out, at, metas[w], ids, packed_keys)
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await self.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
@@ -278,18 +289,24 @@ class HandoffStage(RequestContext):
         p.prefill_worker = choice.worker_id
         return choice.worker_id, args.predicted, choice.hit_tokens
 
-    async def _round_trip(self, cmds: list[list[Any]], req: GenRequest | None = None) -> list[Any]:
+    async def _round_trip(
+        self,
+        cmds: list[list[Any]],
+        req: GenRequest | None = None,
+        on_last: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
         """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
-        and rerun (`StateStore.execute_scripts`). Any other error reply is raised.
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised. `on_last`: the
+        last command's reply as it arrives, even if this call is cancelled meanwhile.
 
         The request's first round trip carries its tenant's limit check when it has one: the
         commands then run inside the check's script, only if it passed (a pipeline cannot make
         its later commands depend on an earlier one), and a refusal raises 429 `rate_limited`."""
         if req is not None and req.limit is not None:
             check, req.limit = req.limit, None  # once per request: a second hand-off is the same request
-            res = await check.run(req.request_id, cmds)
+            res = await check.run(req.request_id, cmds, on_last)
         else:
-            res = await self.store.execute_scripts(cmds)
+            res = await self.store.execute_scripts(cmds, on_last)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x

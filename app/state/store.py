@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,8 +31,8 @@ from redis.exceptions import ResponseError
 
 from app.state import scripts
 from app.state.keys import Keys
-from app.state.resp import RespConnection
-from app.state.scripting import run_scripts
+from app.state.resp import OnReplies, RespConnection
+from app.state.scripting import Execute, is_noscript, run_scripts
 from app.state.text import to_str as _s
 
 # ---- request lifecycle ------------------------------------------------------------------------
@@ -132,21 +132,48 @@ class StateStore:
             raise res
         return res
 
-    async def execute_scripts(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    async def execute_scripts(
+        self, cmds: Sequence[Sequence[Any]], on_last: Callable[[Any], None] | None = None
+    ) -> list[Any]:
         """`execute`, and the EVALSHA calls answered NOSCRIPT loaded and rerun once (just those:
-        the other commands of the round trip are not repeated). Error replies stay in place."""
-        return await run_scripts(self.execute, cmds, self._sources)
+        the other commands of the round trip are not repeated). Error replies stay in place.
+        `on_last`: called with the last command's reply as it arrives (`hooked`)."""
+        ex = self.execute if on_last is None or not cmds else self.hooked(cmds[-1], on_last)
+        return await run_scripts(ex, cmds, self._sources)
 
-    async def execute(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    def hooked(self, target: Sequence[Any], on_reply: Callable[[Any], None]) -> Execute:
+        """`execute` that hands `on_reply` the reply of the command `target` (the same object)
+        the moment it arrives, whether or not the caller still waits: the hand-off's reply carries
+        entries this replica's owner must take even when the request that sent it is cancelled
+        meanwhile (app/state/resp.py). A NOSCRIPT reply is skipped: the rerun's reply comes in
+        its turn. Over redis-py (no lean connection) it runs once the caller has the replies."""
+
+        async def execute(batch: Sequence[Sequence[Any]]) -> list[Any]:
+            at = next((i for i, c in enumerate(batch) if c is target), None)
+            if at is None:
+                return await self.execute(batch)
+
+            def hook(replies: list[Any]) -> None:
+                if not is_noscript(replies[at]):
+                    on_reply(replies[at])
+
+            return await self.execute(batch, hook)
+
+        return execute
+
+    async def execute(self, cmds: Sequence[Sequence[Any]], on_replies: OnReplies | None = None) -> list[Any]:
         """Raw commands in one round trip, replies in order; error replies are returned in place,
-        not raised (the caller knows which ones it can retry)."""
+        not raised (the caller knows which ones it can retry). `on_replies`: see `hooked`."""
         self.commands_total += len(cmds)
         if self.fast is not None:
-            return await self.fast.pipeline(cmds)
+            return await self.fast.pipeline(cmds, on_replies)
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in cmds:
                 pipe.execute_command(*c)
-            return list(await pipe.execute(raise_on_error=False))
+            res = list(await pipe.execute(raise_on_error=False))
+        if on_replies is not None:
+            on_replies(res)
+        return res
 
     def sha(self, name: str) -> str:
         return str(self._scripts[name].sha)
