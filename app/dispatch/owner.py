@@ -166,6 +166,8 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
             self.loops.forget(f"{kind}:{self.wid}")
         for t in list(self._inflight):
             t.cancel()
+        if self._spec_flush is not None:  # a hint's write (intake.py): nothing to finish
+            self._spec_flush.cancel()
         # Closing connections: the lease moved on, there is no state left to protect here.
         with contextlib.suppress(*TRANSIENT):
             await self._reader.aclose()
