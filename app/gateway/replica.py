@@ -47,7 +47,7 @@ from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.policy import Policy, PolicyBook
 from app.security.apikeys import Limits
-from app.state.connect import redis_client
+from app.state.connect import ping, redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.retry import TRANSIENT, TerminalWrites
@@ -446,7 +446,7 @@ class Replica:
         while not self.draining:
             t0 = time.perf_counter()
             try:
-                await asyncio.wait_for(self.redis.ping(), 1.0)
+                await ping(self.redis, 1.0)
                 M.REDIS_LATENCY.observe(time.perf_counter() - t0)
                 await self.check_cluster_epoch()
                 if not self.redis_ok:
