@@ -15,7 +15,12 @@ coroutine resumes without another task hop. A pipeline that times out raises red
 `TimeoutError` while its replies, when they come, are read and dropped; a connection that fails
 or closes fails every waiter with redis-py's `ConnectionError` (callers already handle both as
 "shared state unavailable") and is replaced on the next call. Error replies come back as
-redis-py's `ResponseError` subclasses (e.g. `NoScriptError`) in the reply list.
+redis-py's `ResponseError` subclasses (e.g. `NoScriptError`, `ReadOnlyError`) in the reply list,
+but for LOADING: a Redis still loading its data set refuses every command, so the pipeline fails
+as a whole with redis-py's `BusyLoadingError` (a `ConnectionError`), as redis-py itself raises it
+— retried as transient. As a reply in the list it was a plain `ResponseError`, which the terminal
+writes' retry loop took for a script error and died on (test_faults case 5: Redis restarted from
+its AOF, the replica's requests then stayed non-terminal).
 
 A pipeline may name `on_replies`, called with its replies the moment they are parsed, whether or
 not its caller still waits (cancelled, timed out): for replies that carry a hand-over which must
@@ -32,8 +37,8 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import hiredis
+from redis.exceptions import BusyLoadingError, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = Any  # bytes | str | int | float, or anything whose str() is the wire form
@@ -65,9 +70,15 @@ def encode(commands: Sequence[Sequence[Arg]]) -> bytes:
     return b"".join(out)
 
 
-def _error(err: hiredis.ReplyError) -> ResponseError:
+def _error(err: hiredis.ReplyError) -> ResponseError | BusyLoadingError:
     msg = str(err)
-    return NoScriptError(msg) if msg.startswith("NOSCRIPT") else ResponseError(msg)
+    if msg.startswith("NOSCRIPT"):
+        return NoScriptError(msg)
+    if msg.startswith("READONLY"):
+        return ReadOnlyError(msg)
+    if msg.startswith("LOADING"):
+        return BusyLoadingError(msg)
+    return ResponseError(msg)
 
 
 class _Waiter:
@@ -108,6 +119,11 @@ class _Protocol(asyncio.Protocol):
             w.left -= 1
             if w.left == 0:
                 self.waiters.popleft()
+                busy = next((r for r in w.replies if isinstance(r, BusyLoadingError)), None)
+                if busy is not None:  # nothing of it ran (see the module doc)
+                    if not w.fut.done():
+                        w.fut.set_exception(busy)
+                    continue
                 if w.on_replies is not None:
                     try:
                         w.on_replies(w.replies)
