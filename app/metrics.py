@@ -166,6 +166,16 @@ BATCH_WAIT = Histogram(
     buckets=_FAST,
     registry=REGISTRY,
 )
+HANDOFF_IN_PROCESS = Counter(
+    "flexlb_handoff_in_process_total",
+    "Hand-offs that skipped a Redis hop because origin and owner are the same replica, by step: "
+    "`entry` (the origin's hand-off delivered it to the owner's consumer) and `reply`",
+    ["step"],
+    registry=REGISTRY,
+)
+for _s in ("entry", "reply"):
+    HANDOFF_IN_PROCESS.labels(_s)
+
 CLAIMED = Counter(
     "flexlb_owner_claimed_total",
     "Pending hand-offs taken over from a dead owner, by outcome",

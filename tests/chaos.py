@@ -46,6 +46,10 @@ class Load:
     request_timeout_ms: int = 20_000
     max_new_tokens: tuple[int, ...] = (4, 8, 16)
     limit: int | None = None  # stop after sending this many
+    # Every `fresh_every`-th request (a non-streaming one) leaves its id to the gateway: a fresh id
+    # is recorded and handed off in one round trip, and in process when its origin owns the worker
+    # (issue 20), the path client ids never take. Its id is read back from the answer.
+    fresh_every: int = 4
     results: list[Result] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -93,6 +97,9 @@ class Load:
             "timeout_ms": self.request_timeout_ms,
             "stream": stream,
         }
+        fresh = i % self.fresh_every == 0 and not stream
+        if fresh:
+            del body["request_id"]
         res = Result(url, stream, rid, "lost", t0=time.monotonic())
         try:
             async with asyncio.timeout(self.client_timeout_s):
@@ -101,6 +108,8 @@ class Load:
                 else:
                     resp = await client.post(url + "/v1/generate", json=body)
                     res.kind, res.code = _classify(resp.status_code, resp.content, n)
+                    if fresh and res.kind == "ok":
+                        res.rid = str(json.loads(resp.content)["request_id"])
         except TimeoutError:
             res.kind = "hung"
         except httpx.TransportError as exc:

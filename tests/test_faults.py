@@ -156,10 +156,16 @@ def test_case1_sigkill_of_an_owner_replica_loses_none_of_the_survivors_requests(
                 st = r.hget(keys.request(x.rid), "state")
                 assert st is None or st.decode() in ("owner_lost", "completed", "failed", "cancelled"), st
         finish(r, keys, [p0, p1], [a.url])
-        wait_for(
-            lambda: not r.exists(keys.replies(b.replica_id)), 15, what="dead replica's reply stream gone"
-        )
-        wait_for(lambda: not r.sismember(keys.replicas_seen, b.replica_id), 5, what="dead replica forgotten")
+
+        # Its reply stream, live set and group consumers go in one step, once it has been dead
+        # FLEXLB_RECONCILE_FORGET_S with nothing of it pending. Awaited together: the stream may
+        # never have existed (an origin that owns the workers it hands off to is answered in
+        # process, issue 20), and then it proves nothing as a clock for the forgetting.
+        def forgotten() -> bool:
+            gone = not r.exists(keys.replies(b.replica_id))
+            return gone and not r.sismember(keys.replicas_seen, b.replica_id)
+
+        wait_for(forgotten, 15, what="dead replica's reply stream gone and the replica forgotten")
         metrics = a.get("/metrics").text
         assert 'flexlb_loop_errors_total{loop="owner_decide"} 0.0' in metrics
     finally:

@@ -11,7 +11,10 @@ publishes each one's blocks for all replicas:
 - **Owner** (`SpecOutbox`): the read loop notes each entry it reads (the block keys the entry
   carries from routing, field `k`); the notes go out as one `XADD` per origin on the worker's
   speculative stream, pipelined with the loop's next `XREADGROUP` (same connection, one write, no
-  round trip of their own; app/dispatch/owner.py `_read_entries`).
+  round trip of their own; app/dispatch/intake.py `_read_entries`). Entries the origin hands
+  over in process (it owns the worker: `OwnerIntake.take_local`) never reach that read, so their
+  notes go out at once in a write of their own on the store's pool (`_flush_spec`), off the
+  request path.
 - **Follower** (`parse_record`, app/cache/follower.py): every replica reads those streams in the
   `XREAD` it already makes for the cache diffs and adds the blocks to its `SpecIndex` under the
   normal TTL, counted from the owner's read; it skips records of its own hand-offs (it has them).

@@ -24,7 +24,8 @@ from app.cache.shared_spec import SpecOutbox
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
 from app.dispatch.claim import OwnerClaims
-from app.dispatch.items import QueueItem, carried_keys, failure, parse_item
+from app.dispatch.intake import OwnerIntake
+from app.dispatch.items import QueueItem, carried_keys, failure
 from app.dispatch.ledger import OwnerLedger
 from app.logging_setup import lifecycle_sampled
 from app.protocol.codes import EngineStatus
@@ -34,15 +35,15 @@ from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.commit import commit_step, committed_ms
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, Formula, compile_formula
 from app.state.connect import redis_client
-from app.state.handoff import GROUP, Handoff
-from app.state.resp import RespConnection, stream_entries
+from app.state.handoff import Handoff
+from app.state.resp import RespConnection
 from app.state.retry import TRANSIENT, TerminalWrites
 from app.state.store import FencedOut, StateStore
 
 log = logging.getLogger("flexlb.owner")
 
 
-class OwnerDispatcher(OwnerClaims, OwnerLedger):
+class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
     def __init__(
         self,
         wid: str,
@@ -62,6 +63,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         reclaim_idle_ms: int = 5000,
         reclaim_every_s: float = 2.0,
         share_speculative: bool = True,
+        local_reply: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.wid = wid
         self.replica_id = replica_id
@@ -89,6 +91,10 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         # to "redispatch" (cancelling their running batch on the worker).
         self._claimed_once = asyncio.Event()
         self.reclaimed = 0
+        # This replica's reply inbox (`ReplyRouter.deliver`): replies to requests it originated
+        # skip the reply stream (see `_reply`).
+        self.local_reply = local_reply
+        self.local_taken = 0  # entries the origin in this process took in its hand-off (intake.py)
         # Blocking stream reads get their own connection (DESIGN §5): the lean one for the
         # hand-off reads (on every request's path, app/state/resp.py), redis-py for the rest and
         # for URLs the lean client does not speak.
@@ -111,7 +117,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         self._draining = False
         self._finished_seen: dict[str, float] = {}  # batch id → wall ms its finished record first came in
         self._last_audit = 0.0
-        self._marks: set[asyncio.Task[Any]] = set()  # off-path lifecycle `dispatched` writes
+        self._marks: set[asyncio.Task[Any]] = set()  # off-path ledger re-anchors
         # Where each of our batches starts on the engine (wall ms), so the ledger's owed time
         # runs from the real start, not from the dispatch (DESIGN §7, store.commit_batch).
         self.timeline = EngineTimeline()
@@ -160,61 +166,14 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
             self.loops.forget(f"{kind}:{self.wid}")
         for t in list(self._inflight):
             t.cancel()
+        if self._spec_flush is not None:  # a hint's write (intake.py): nothing to finish
+            self._spec_flush.cancel()
         # Closing connections: the lease moved on, there is no state left to protect here.
         with contextlib.suppress(*TRANSIENT):
             await self._reader.aclose()
         if self._lean_reader is not None:
             with contextlib.suppress(*TRANSIENT):
                 await self._lean_reader.close()
-
-    async def _read_entries(self, key: str) -> list[tuple[Any, dict[bytes, bytes]]]:
-        """New entries of the worker's queue for this consumer (blocks up to 100 ms). The shared
-        speculative records of the last read ride in front of it: one write, no round trip of
-        their own (app/cache/shared_spec.py); a failed one is counted and dropped (a hint)."""
-        read = ["XREADGROUP", "GROUP", GROUP, self.replica_id, "COUNT", 256, "BLOCK", 100, "STREAMS", key]
-        cmds = [*self.spec_out.take(self.store.keys.spec_stream(self.wid), time.time() * 1000), [*read, ">"]]
-        self.store.commands_total += len(cmds)
-        if self._lean_reader is None:  # redis-py (TLS, URL options): the same pipeline, parsed replies
-            pipe = self._reader.pipeline(transaction=False)
-            for c in cmds:
-                pipe.execute_command(*c)
-            *added, res = await pipe.execute(raise_on_error=False)
-        else:
-            *added, res = await self._lean_reader.pipeline(cmds)
-        M.count_shared_spec(added)
-        if isinstance(res, Exception):
-            raise res
-        if self._lean_reader is None:
-            return [(entry_id, fields) for _stream, entries in res or [] for entry_id, fields in entries]
-        return stream_entries(res)
-
-    async def _read_loop(self) -> None:
-        name = f"owner_read:{self.wid}"
-        key = self.store.keys.queue(self.wid)
-        need_group = True
-        await self._claimed_once.wait()
-        while not self._stopping and not self._draining:
-            if not self.lease.is_valid():  # not acting while the lease is in doubt; on_lose stops us
-                await asyncio.sleep(0.1)
-                continue
-            try:
-                if need_group:  # first read, or the group vanished (Redis came back empty)
-                    await self.handoff.ensure_group(self.wid)
-                    need_group = False
-                entries = await self._read_entries(key)
-                self.loops.ok(name)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis hiccup, NOGROUP after a rebuild: count, back off, retry
-                need_group = True
-                await self.loops.failed(name, exc)
-                continue
-            now = time.time() * 1000
-            for entry_id, fields in entries:
-                item = parse_item(entry_id, fields)
-                self._handling.add(item.entry_id)
-                self.admit(item, now)
-                self.spec_out.note(item.origin, item.keys)
 
     async def _decide_loop(self) -> None:
         name = f"owner_decide:{self.wid}"
@@ -258,16 +217,6 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         self.wake.clear()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.wake.wait(), timeout if timeout is not None else 0.5)
-
-    async def _mark_dispatched(self, request_ids: list[str], batch_id: str) -> None:
-        """Informational (GET /v1/requests shows the worker and batch): a failure is logged only;
-        the terminal transition carries the same fields."""
-        try:
-            await self.store.transition_many(
-                request_ids, "dispatched", {"prefill_worker": self.wid, "batch_id": batch_id}
-            )
-        except TRANSIENT as exc:
-            log.debug("owner %s: marking %d requests dispatched failed: %s", self.wid, len(request_ids), exc)
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)
@@ -320,6 +269,16 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
         self._batch_sizes[batch_id] = len(items)
         # Anchored where the engine will start it: behind our batches still on the worker.
         start_ms = self.timeline.commit(batch_id, time.time() * 1000, predicted * self.time_scale())
+        # The members' `dispatched` marks (informational: GET /v1/requests shows the worker and
+        # batch; the terminal transition carries the same fields) ride in the commit's round trip
+        # instead of one of their own (issue 20). A pipeline cannot make them depend on the
+        # commit: a member the commit drops (tombstoned: its origin is ending it) or a fenced-out
+        # commit (the new owner dispatches it, under its own batch id) may show `dispatched` for
+        # this batch until the request's terminal state, which names the batch that ran.
+        marks = [
+            self.store.transition_cmd(rid, "dispatched", {"prefill_worker": self.wid, "batch_id": batch_id})
+            for rid in by_id
+        ]
         try:
             kept = await self.store.commit_batch(
                 self.wid,
@@ -331,6 +290,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
                 self.replica_id,
                 epoch=epoch,
                 take_ms=committed_ms(items),
+                then=marks,
             )
         except FencedOut:
             self.timeline.forget(batch_id)
@@ -354,12 +314,6 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
             self.timeline.forget(batch_id)
             return
         self.dispatched += 1
-        # Off the critical path: GET /v1/requests shows `dispatched` with the worker and batch.
-        mark = asyncio.create_task(
-            self._mark_dispatched([i.request_id for i in live], batch_id), name="owner-mark"
-        )
-        self._marks.add(mark)
-        mark.add_done_callback(self._marks.discard)
         for i in live:
             if not lifecycle_sampled(i.request_id):  # the terminal line is the origin's
                 continue
@@ -482,10 +436,21 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger):
             **{k: str(v) for k, v in result.items() if k not in ("request_id",)},
         }
 
+        local = self.local_reply if item.origin == self.replica_id else None
+
         async def write() -> None:
-            await self.handoff.reply_and_settle(
-                item.origin, fields, self.wid, batch_id, item.request_id, item.entry_id
-            )
+            if local is None:
+                await self.handoff.reply_and_settle(
+                    item.origin, fields, self.wid, batch_id, item.request_id, item.entry_id
+                )
+            else:
+                # The origin is this process (issue 20): only the settlement goes to Redis, and
+                # the reply goes to the waiting request in process once Redis took it — never
+                # earlier than the stream's reply would have (one XADD and the origin's XREAD
+                # less; a Redis that refuses it holds the reply back exactly as before).
+                await self.handoff.settle_ack(self.wid, batch_id, item.request_id, item.entry_id)
+                local(fields)
+                M.HANDOFF_IN_PROCESS.labels("reply").inc()
             self._handling.discard(item.entry_id)
 
         # A reply that Redis did not take is retried from the bounded local queue (issue 14):

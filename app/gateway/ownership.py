@@ -64,6 +64,8 @@ class Ownership:
         self.refresh_registry = refresh_registry
         self.stopping = stopping
         self.leases: LeaseManager | None = None  # set by the replica once the lease manager exists
+        # Set by the replica: its reply inbox, which our owners answer in process (issue 20).
+        self.local_reply: Callable[[dict[str, str]], None] | None = None
         self.pollers: dict[str, WorkerPoller] = {}
         self.dispatchers: dict[str, OwnerDispatcher] = {}
 
@@ -128,6 +130,7 @@ class Ownership:
                 loops=self.loops,
                 terminal=self.terminal,
                 share_speculative=self.settings.shared_speculative,
+                local_reply=self.local_reply,
             )
             self.dispatchers[wid] = d
             d.start()

@@ -47,7 +47,7 @@ from app.scheduling.batcher import BatcherConfig
 from app.scheduling.formula import Formula
 from app.scheduling.policy import Policy, PolicyBook
 from app.security.apikeys import Limits
-from app.state.connect import redis_client
+from app.state.connect import ping, redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
 from app.state.retry import TRANSIENT, TerminalWrites
@@ -164,6 +164,7 @@ class Replica:
             cancel_on=lambda wid, rid: self.views.client(wid).cancel(rid, timeout=2.0),
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
+        self.ownership.local_reply = self.replies.deliver
         self.pipeline = Pipeline(
             replica_id=self.replica_id,
             settings=settings,
@@ -177,6 +178,7 @@ class Replica:
             terminal=self.terminal,
             tokenizer=self.tokenizer,
             wake_owner=self.ownership.wake,
+            local_owner=self.ownership.dispatchers.get,
             health=lambda: (self.redis_ok, self.redis_reason),
             accepting=lambda: self.accepting,
         )
@@ -444,7 +446,7 @@ class Replica:
         while not self.draining:
             t0 = time.perf_counter()
             try:
-                await asyncio.wait_for(self.redis.ping(), 1.0)
+                await ping(self.redis, 1.0)
                 M.REDIS_LATENCY.observe(time.perf_counter() - t0)
                 await self.check_cluster_epoch()
                 if not self.redis_ok:

@@ -78,15 +78,19 @@ class ReplyRouter:
                 await self._trim(s(entries[-1][0]))
             for entry_id, f in entries:
                 last = s(entry_id)
-                fields = {s(k): s(v) for k, v in f.items()}
-                rid = fields.get("rid", "")
-                fut = self._waiting.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(fields)
-                elif fut is None:
-                    self._early[rid] = fields
-                    while len(self._early) > 10_000:
-                        self._early.pop(next(iter(self._early)))
+                self.deliver({s(k): s(v) for k, v in f.items()})
+
+    def deliver(self, fields: dict[str, str]) -> None:
+        """One reply to the request waiting for it (or parked until it waits): from the stream,
+        or straight from this replica's own owner (`OwnerDispatcher._reply`, issue 20)."""
+        rid = fields.get("rid", "")
+        fut = self._waiting.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(fields)
+        elif fut is None:
+            self._early[rid] = fields
+            while len(self._early) > 10_000:
+                self._early.pop(next(iter(self._early)))
 
     async def _trim(self, upto: str) -> None:
         self.commands_total += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,14 +15,15 @@ from redis.exceptions import ResponseError
 from app import metrics as M
 from app.gateway.errors import ApiError
 from app.protocol.blocks import hit_blocks_cap, namespace_seed
-from app.request.context import RequestContext
+from app.request.context import LocalOwner, RequestContext
 from app.request.routing_inputs import FreshPair
 from app.request.types import ENGINE_TO_API, TERMINAL, GenRequest, NotStarted, Progress, StoredOutcome
 from app.scheduling.routing import (
     DecodeQuery,
     NoWorker,
 )
-from app.state.handoff import pack_keys, pack_tokens
+from app.state.handoff import GROUP, pack_keys, pack_tokens
+from app.state.resp import stream_entries
 from app.state.store import request_fields
 from app.state.text import to_str as _s
 
@@ -138,36 +140,63 @@ class HandoffStage(RequestContext):
         if dec:
             cmds.append(["EVALSHA", sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap])
         if pair is None:
-            cmds.append(
-                [
-                    "EVALSHA",
-                    sha("handoff"),
-                    3,
-                    self.keys.queue(wid),
-                    self.keys.queued_ms(wid),
-                    self.keys.ledger(wid),
-                    self.settings.max_queue_len,
-                    f"{predicted:.6f}",
-                    meta_json,
-                    ids,
-                    f"{self._scale(wid):g}",
-                    packed_keys,
-                ]
-            )
+            cmd: list[Any] = [
+                "EVALSHA",
+                sha("handoff"),
+                3,
+                self.keys.queue(wid),
+                self.keys.queued_ms(wid),
+                self.keys.ledger(wid),
+                self.settings.max_queue_len,
+                f"{predicted:.6f}",
+                meta_json,
+                ids,
+                f"{self._scale(wid):g}",
+                packed_keys,
+            ]
+            owners = [self._owner_here(wid)]
+            if owners[0] is not None:
+                # We own the worker: the hand-off delivers the entry to our owner's consumer in
+                # this round trip (scripts._OWN_READ), no hop through its blocked read.
+                cmd[2] = 4
+                cmd.insert(6, self.keys.owner_lease(wid))
+                cmd += [GROUP, owners[0][0].replica_id, owners[0][1]]
+            cmds.append(cmd)
+            metas = [meta_json]
         else:
-            cmds.append(self._pick_command(rid, wid, meta_json, predicted, ids, pair, packed_keys))
+            owners = [self._owner_here(wid), self._owner_here(pair.pair.alt.worker_id)]
+            cmds.append(self._pick_command(rid, wid, meta_json, predicted, ids, pair, packed_keys, owners))
+            metas = [meta_json, pair.meta_json]
+        take: Callable[[Any], None] | None = None
+        if any(o is not None for o in owners):
+            at = 3 if pair is None else 8  # where the script put what it took for our owner
+
+            def take_here(out: Any) -> None:
+                """Hand our owner the entries the hand-off took for it as the reply arrives,
+                whatever becomes of this request meanwhile (cancelled, timed out, another reply
+                of the round trip in error): other origins' are among them, and otherwise only
+                the periodic re-claim (`reclaim_idle_ms` later) would find them. An answer lost
+                with its connection leaves them to it, as a lost answer to the owner's read does."""
+                if isinstance(out, list) and len(out) > at:
+                    w = 0 if pair is None else int(out[3]) - 1
+                    here = owners[w]
+                    if here is not None:
+                        _take_here(here[0], out, at, metas[w], ids, packed_keys)
+
+            take = take_here
+
         # Whatever applied before a failure must be cleaned up as if handed off.
         p.stage = "handed_off"
         try:
-            res = await self._round_trip(cmds, req)
+            res = await self._round_trip(cmds, req, take)
         except ApiError:  # only the tenant's limit raises it, and then nothing was written
             p.stage = "new"
             raise
+        out = res[-1]
         if int(res[1]) != 1:  # a fresh UUID already exists: not ours to touch, drop our hand-off
             await self.store.tombstone(wid, rid, 60_000)
             raise RuntimeError(f"generated request id {rid} collided")
         held = int(res[2]) if dec else -1
-        out = res[-1]
         entry, queued, owed = _s(out[0]), float(_s(out[1])), float(_s(out[2]))
         picked = None
         if pair is not None:
@@ -178,6 +207,14 @@ class HandoffStage(RequestContext):
             return None, queued, owed, held, picked
         return entry, queued, owed, held, picked
 
+    def _owner_here(self, wid: str) -> tuple[LocalOwner, str] | None:
+        """This replica's owner of ``wid`` and the lease value it holds, when the hand-off may
+        deliver to it (`OwnerIntake.local_lease`); None otherwise. The entries go to this same
+        owner object afterwards: a successor that took the lease meanwhile claims them instead."""
+        owner = self.local_owner(wid)
+        lease = owner.local_lease() if owner is not None else None
+        return (owner, lease) if owner is not None and lease is not None else None
+
     def _pick_command(
         self,
         rid: str,
@@ -187,14 +224,21 @@ class HandoffStage(RequestContext):
         ids: bytes,
         pair: _PairArgs,
         packed_keys: bytes = b"",
+        owners: list[tuple[LocalOwner, str] | None] | None = None,
     ) -> list[Any]:
-        """The `HANDOFF_PICK` EVALSHA: ``wid`` (the policy's pick) against the pair's runner-up."""
+        """The `HANDOFF_PICK` EVALSHA: ``wid`` (the policy's pick) against the pair's runner-up;
+        with ``owners`` (ours of each, `_owner_here`) the winner's entries come back for ours."""
         alt = pair.pair.alt.worker_id
         (a0, aq, ao, ahw, ahc), (b0, bq, bo, bhw, bhc) = pair.pair.terms
+        here = owners if owners is not None and any(owners) else None
+        leases = [self.keys.owner_lease(wid), self.keys.owner_lease(alt)] if here else []
+        tail: list[Any] = []
+        if here:
+            tail = [GROUP, *(x for o in here for x in ((o[0].replica_id, o[1]) if o else ("", "")))]
         return [
             "EVALSHA",
             self.store.sha("handoff_pick"),
-            7,
+            9 if here else 7,
             self.keys.queue(wid),
             self.keys.queued_ms(wid),
             self.keys.ledger(wid),
@@ -202,6 +246,7 @@ class HandoffStage(RequestContext):
             self.keys.queued_ms(alt),
             self.keys.ledger(alt),
             self.keys.request(rid),
+            *leases,
             self.settings.max_queue_len,
             ids,
             meta_json,
@@ -218,6 +263,7 @@ class HandoffStage(RequestContext):
             alt,
             packed_keys,
             *(repr(float(x)) for x in (ahw, ahc, bhw, bhc)),
+            *tail,
         ]
 
     def _queued_base(self, wid: str) -> float:
@@ -243,18 +289,24 @@ class HandoffStage(RequestContext):
         p.prefill_worker = choice.worker_id
         return choice.worker_id, args.predicted, choice.hit_tokens
 
-    async def _round_trip(self, cmds: list[list[Any]], req: GenRequest | None = None) -> list[Any]:
+    async def _round_trip(
+        self,
+        cmds: list[list[Any]],
+        req: GenRequest | None = None,
+        on_last: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
         """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
-        and rerun (`StateStore.execute_scripts`). Any other error reply is raised.
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised. `on_last`: the
+        last command's reply as it arrives, even if this call is cancelled meanwhile.
 
         The request's first round trip carries its tenant's limit check when it has one: the
         commands then run inside the check's script, only if it passed (a pipeline cannot make
         its later commands depend on an earlier one), and a refusal raises 429 `rate_limited`."""
         if req is not None and req.limit is not None:
             check, req.limit = req.limit, None  # once per request: a second hand-off is the same request
-            res = await check.run(req.request_id, cmds)
+            res = await check.run(req.request_id, cmds, on_last)
         else:
-            res = await self.store.execute_scripts(cmds)
+            res = await self.store.execute_scripts(cmds, on_last)
         for x in res:
             if isinstance(x, ResponseError):
                 raise x
@@ -435,3 +487,17 @@ class HandoffStage(RequestContext):
         p.queue_ms = max(0.0, (p.t_first - p.t_handoff) * 1000 - p.prefill_ms)
         self._log("prefilled", req, p)
         return reply
+
+
+def _take_here(owner: LocalOwner, out: list[Any], at: int, meta_json: str, ids: bytes, keys: bytes) -> None:
+    """Hand the entries the hand-off delivered to our ``owner`` (``out[at]``: 1 when ours was taken,
+    ``out[at + 1]``: the ones before it, other origins') to it, in stream order. Ours is not sent
+    back: its fields are what we sent."""
+    taken = stream_entries([(b"", out[at + 1])])
+    if int(out[at]) == 1:
+        own = {b"m": meta_json.encode(), b"ids": ids}
+        if keys:
+            own[b"k"] = keys
+        taken.append((out[0], own))
+    if taken:
+        owner.take_local(taken)

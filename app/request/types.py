@@ -23,9 +23,12 @@ ENGINE_TO_API = {
 
 
 class LimitCheck(Protocol):
-    async def run(self, rid: str, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    async def run(
+        self, rid: str, cmds: Sequence[Sequence[Any]], on_last: Callable[[Any], None] | None = None
+    ) -> list[Any]:
         """The tenant's check, then `cmds` (one round trip) when it passed: their replies; raises
-        ApiError `rate_limited` when refused, with nothing written."""
+        ApiError `rate_limited` when refused, with nothing written. `on_last`: the last command's
+        reply as it arrives (`StateStore.hooked`)."""
         ...
 
 

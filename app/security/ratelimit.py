@@ -32,7 +32,7 @@ import asyncio
 import hashlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from app.security.apikeys import Limits
 from app.state import scripts
-from app.state.scripting import run_scripts
+from app.state.scripting import Execute, run_scripts
 from app.state.store import StateStore
 
 log = logging.getLogger("flexlb.security")
@@ -229,15 +229,27 @@ class Limiter:
         cost: int,
         timeout_ms: int,
         cmds: Sequence[Sequence[Any]] = (),
+        on_last: Callable[[Any], None] | None = None,
     ) -> tuple[Verdict, list[Any]]:
         """The tenant's check and, when it passes, `cmds`, in one EVALSHA of `GATE` (counted in
         `flexlb_redis_commands_total`; after NOSCRIPT, a restarted Redis, loaded and run again).
-        Returns the verdict and the commands' replies (empty when refused)."""
+        Returns the verdict and the commands' replies (empty when refused). `on_last`: the last
+        command's reply as it arrives, when it ran (`StateStore.hooked`)."""
         keys = [bucket_key(self.prefix, tenant), inflight_key(self.prefix, tenant)]
         ended = self._ended.pop(tenant, [])
         args = [repr(float(lim.rps)), lim.tpm, lim.max_concurrent, cost, rid, timeout_ms, *ended]
+        gate = fold(keys, args, cmds)
+        ex: Execute = self.store.execute
+        if on_last is not None and cmds:
+            hook = on_last
+
+            def last(res: Any) -> None:  # {verdict, reply, ...}: replies only when it passed
+                if isinstance(res, list) and len(res) > len(cmds):
+                    hook(res[-1])
+
+            ex = self.store.hooked(gate, last)
         try:
-            (res,) = await run_scripts(self.store.execute, [fold(keys, args, cmds)], {GATE_SHA: GATE})
+            (res,) = await run_scripts(ex, [gate], {GATE_SHA: GATE})
             if isinstance(res, ResponseError):
                 raise res
         except BaseException:

@@ -167,13 +167,15 @@ class LimitCheck:
     state: dict[str, Any]  # the request's ASGI state: headers and slot for `TenantGate`
     rid: str = ""
 
-    async def run(self, rid: str, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    async def run(
+        self, rid: str, cmds: Sequence[Sequence[Any]], on_last: Callable[[Any], None] | None = None
+    ) -> list[Any]:
         """The check, then `cmds` only when it passed; their replies. A refusal raises 429 and
-        leaves Redis as it was (but for the bucket's refill)."""
+        leaves Redis as it was (but for the bucket's refill). `on_last`: see `RateLimiter.run`."""
         self.rid = rid
         sent = time.monotonic()
         v, replies = await self.tenants.limiter.run(
-            self.tenant, self.limits, rid, self.cost, self.timeout_ms, cmds
+            self.tenant, self.limits, rid, self.cost, self.timeout_ms, cmds, on_last
         )
         self.tenants.settle(self, v, sent)
         return replies

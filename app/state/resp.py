@@ -15,23 +15,37 @@ coroutine resumes without another task hop. A pipeline that times out raises red
 `TimeoutError` while its replies, when they come, are read and dropped; a connection that fails
 or closes fails every waiter with redis-py's `ConnectionError` (callers already handle both as
 "shared state unavailable") and is replaced on the next call. Error replies come back as
-redis-py's `ResponseError` subclasses (e.g. `NoScriptError`) in the reply list.
+redis-py's `ResponseError` subclasses (e.g. `NoScriptError`, `ReadOnlyError`) in the reply list,
+but for LOADING: a Redis still loading its data set refuses every command, so the pipeline fails
+as a whole with redis-py's `BusyLoadingError` (a `ConnectionError`), as redis-py itself raises it
+— retried as transient. As a reply in the list it was a plain `ResponseError`, which the terminal
+writes' retry loop took for a script error and died on (test_faults case 5: Redis restarted from
+its AOF, the replica's requests then stayed non-terminal).
+
+A pipeline may name `on_replies`, called with its replies the moment they are parsed, whether or
+not its caller still waits (cancelled, timed out): for replies that carry a hand-over which must
+not be dropped with the caller (the hand-off's entries for this replica's owner, issue 20).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import hiredis
+from redis.exceptions import BusyLoadingError, NoScriptError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Arg = Any  # bytes | str | int | float, or anything whose str() is the wire form
+#: Called with a pipeline's replies as they arrive (see the module doc).
+OnReplies = Callable[[list[Any]], None]
+
+log = logging.getLogger("flexlb.state")
 
 
 def encode(commands: Sequence[Sequence[Arg]]) -> bytes:
@@ -56,17 +70,24 @@ def encode(commands: Sequence[Sequence[Arg]]) -> bytes:
     return b"".join(out)
 
 
-def _error(err: hiredis.ReplyError) -> ResponseError:
+def _error(err: hiredis.ReplyError) -> ResponseError | BusyLoadingError:
     msg = str(err)
-    return NoScriptError(msg) if msg.startswith("NOSCRIPT") else ResponseError(msg)
+    if msg.startswith("NOSCRIPT"):
+        return NoScriptError(msg)
+    if msg.startswith("READONLY"):
+        return ReadOnlyError(msg)
+    if msg.startswith("LOADING"):
+        return BusyLoadingError(msg)
+    return ResponseError(msg)
 
 
 class _Waiter:
-    __slots__ = ("fut", "left", "replies")
+    __slots__ = ("fut", "left", "on_replies", "replies")
 
-    def __init__(self, fut: asyncio.Future[list[Any]], n: int) -> None:
+    def __init__(self, fut: asyncio.Future[list[Any]], n: int, on_replies: OnReplies | None = None) -> None:
         self.fut = fut
         self.left = n
+        self.on_replies = on_replies
         self.replies: list[Any] = []
 
 
@@ -98,6 +119,20 @@ class _Protocol(asyncio.Protocol):
             w.left -= 1
             if w.left == 0:
                 self.waiters.popleft()
+                busy = next((r for r in w.replies if isinstance(r, BusyLoadingError)), None)
+                if busy is not None:  # nothing of it ran (see the module doc)
+                    if not w.fut.done():
+                        w.fut.set_exception(busy)
+                    continue
+                if w.on_replies is not None:
+                    try:
+                        w.on_replies(w.replies)
+                    except Exception as exc:  # the hook's bug: its caller's, not the connection's
+                        if w.fut.done():
+                            log.exception("a pipeline's reply hook failed after its caller left")
+                        else:
+                            w.fut.set_exception(exc)
+                        continue
                 if not w.fut.done():
                     w.fut.set_result(w.replies)
 
@@ -169,10 +204,12 @@ class RespConnection:
             self._proto = proto
             return proto
 
-    async def _send(self, proto: _Protocol, commands: Sequence[Sequence[Arg]]) -> list[Any]:
+    async def _send(
+        self, proto: _Protocol, commands: Sequence[Sequence[Arg]], on_replies: OnReplies | None = None
+    ) -> list[Any]:
         assert proto.transport is not None
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        proto.waiters.append(_Waiter(fut, len(commands)))
+        proto.waiters.append(_Waiter(fut, len(commands), on_replies))
         proto.transport.write(encode(commands))
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -182,12 +219,15 @@ class RespConnection:
             # come, so the connection stays in step and the other pipelines on it are unharmed.
             raise RedisTimeoutError("Redis did not answer in time") from None
 
-    async def pipeline(self, commands: Sequence[Sequence[Arg]]) -> list[Any]:
-        """Every command's reply in order; error replies are returned, not raised."""
+    async def pipeline(
+        self, commands: Sequence[Sequence[Arg]], on_replies: OnReplies | None = None
+    ) -> list[Any]:
+        """Every command's reply in order; error replies are returned, not raised. `on_replies`:
+        see the module doc (never called when the connection fails before they arrive)."""
         proto = self._proto
         if proto is None or proto.closed:
             proto = await self._connect()
-        return await self._send(proto, commands)
+        return await self._send(proto, commands, on_replies)
 
     async def call(self, *command: Arg) -> Any:
         """One command; an error reply is raised (redis-py's `ResponseError` family)."""

@@ -269,10 +269,37 @@ end
 """
 )
 
-# KEYS: queue STREAM, queued_ms STRING, ledger HASH; ARGV: max_len, predicted_ms, meta (JSON),
-# ids (packed int32), time_scale[, keys (packed uint64, `handoff.pack_keys`; '' or absent: none)]
+# The origin is the worker's owner (issue 20): the hand-off also delivers the queue's new entries
+# to the owner's consumer, as the owner's own `XREADGROUP ... >` would have, and returns them, so
+# the origin feeds them straight to its in-process owner instead of waiting for the owner's
+# blocked read to be woken and answered (one hop and one command less per request). Nothing about
+# failure changes: the entry is in the stream and in that consumer's pending list exactly as if
+# the blocked read had delivered it (a crash leaves it for the next owner's claim), and the group's
+# last-delivered id moves past it, so the owner's blocked read does not deliver it again. Fenced:
+# only while the owner lease (same hash tag) holds the value the caller read from its own valid
+# lease, so a replica that lost the lease never takes entries this way. A missing group (NOGROUP:
+# the owner has not read yet, or Redis came back empty) takes nothing: the owner's loop reads them.
+# → own (1 when `id` was taken), others (the entries taken before it, `{id, {field, value, ...}}`
+# in stream order: other origins' hand-offs the owner had not read yet; ours is not sent back, the
+# caller has it).
+_OWN_READ = """
+local function own_read(queue, lease, group, consumer, value, id)
+  if redis.call('GET', lease) ~= value then return 0, {} end
+  local r = redis.pcall('XREADGROUP', 'GROUP', group, consumer, 'COUNT', 256, 'STREAMS', queue, '>')
+  if type(r) ~= 'table' or r.err or not r[1] then return 0, {} end
+  local own, others = 0, {}
+  for _, e in ipairs(r[1][2]) do
+    if e[1] == id then own = 1 else others[#others + 1] = e end
+  end
+  return own, others
+end
+"""
+
+# KEYS: queue STREAM, queued_ms STRING, ledger HASH[, owner lease STRING]; ARGV: max_len,
+# predicted_ms, meta (JSON), ids (packed int32), time_scale[, keys (packed uint64,
+# `handoff.pack_keys`; '' or absent: none)[, group, consumer, lease value]]
 # → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms} refused at the queue bound (429
-# overloaded).
+# overloaded); with a consumer named: {entry_id, queued_ms, owed_ms, own, others} (_OWN_READ).
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
 # its snapshot is exactly what the queue holds (DESIGN §3 step 6); the ledger's owed time comes
 # back with it, so the origin's view of the worker is fresh as of this round trip, other
@@ -284,6 +311,7 @@ HANDOFF = (
     _NOW_MS
     + _ADD_QUEUED_MS
     + _OWED_MS
+    + _OWN_READ
     + """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return {-1, redis.call('GET', KEYS[2]) or '0', owed_ms()}
@@ -294,7 +322,12 @@ if ARGV[6] and ARGV[6] ~= '' then
 else
   id = redis.call('XADD', KEYS[1], '*', 'm', ARGV[3], 'ids', ARGV[4])
 end
-return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
+local q = add_queued_ms(tonumber(ARGV[2]))
+if ARGV[8] and ARGV[8] ~= '' then
+  local own, others = own_read(KEYS[1], KEYS[4], ARGV[7], ARGV[8], ARGV[9], id)
+  return {id, q, owed_ms(), own, others}
+end
+return {id, q, owed_ms()}
 """
 )
 
@@ -313,16 +346,31 @@ return {id, add_queued_ms(tonumber(ARGV[2])), owed_ms()}
 # the reconciler and the reaper of a dead origin find the queued work where it is.
 # Cross-slot (two workers' tags and the request's), like the tenant GATE: one Redis primary
 # (embedded, standalone or Sentinel), not Redis Cluster — the setting turns it off there.
-# KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH.
+# When the caller owns A or B, it names its consumer and lease value for that side (as HANDOFF's
+# last three arguments; '' for a side it does not own) and the winner's new entries are delivered
+# to it in the same round trip (_OWN_READ).
+# KEYS: queue_a, queued_ms_a, ledger_a, queue_b, queued_ms_b, ledger_b, request HASH[, lease_a,
+#       lease_b].
 # ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
 #       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B, keys (as HANDOFF; may be
 #       ''), hw_a, hc_a, hw_b, hc_b (a utility's hinge: + hw * max(0, hc + queued + owed); absent = 0)
+#       [, group, consumer_a, lease value_a, consumer_b, lease value_b]
 # → {entry_id | -1, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a, queued_b,
-#    owed_b} — -1 when both queues are full (429 overloaded), then winner 1.
+#    owed_b[, own, others (the winner's, when the caller owns it)]} — -1 when both queues are full
+#    (429 overloaded), then winner 1.
 HANDOFF_PICK = (
     _NOW_MS
     + _OWED_OF
+    + _OWN_READ
     + """
+local function taken(w, id, ret)
+  local c = ARGV[24 + 2 * w]
+  if ARGV[25] and c and c ~= '' then
+    local own, others = own_read(KEYS[3 * w - 2], KEYS[7 + w], ARGV[25], c, ARGV[25 + 2 * w], id)
+    ret[9], ret[10] = own, others
+  end
+  return ret
+end
 local max_len = tonumber(ARGV[1])
 local qa = tonumber(redis.call('GET', KEYS[2]) or '0')
 local qb = tonumber(redis.call('GET', KEYS[5]) or '0')
@@ -364,10 +412,10 @@ redis.call('SET', KEYS[2 + k], txt(q))
 if w == 2 then
   if redis.call('EXISTS', KEYS[7]) == 1 then redis.call('HSET', KEYS[7], 'prefill_worker', ARGV[19]) end
   loads[3] = txt(q)
-  return {id, txt(q), o3(ob), 2, loads[1], loads[2], loads[3], loads[4]}
+  return taken(2, id, {id, txt(q), o3(ob), 2, loads[1], loads[2], loads[3], loads[4]})
 end
 loads[1] = txt(q)
-return {id, txt(q), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]}
+return taken(1, id, {id, txt(q), o3(oa), 1, loads[1], loads[2], loads[3], loads[4]})
 """
 )
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,8 +31,8 @@ from redis.exceptions import ResponseError
 
 from app.state import scripts
 from app.state.keys import Keys
-from app.state.resp import RespConnection
-from app.state.scripting import run_scripts
+from app.state.resp import OnReplies, RespConnection
+from app.state.scripting import Execute, is_noscript, run_scripts
 from app.state.text import to_str as _s
 
 # ---- request lifecycle ------------------------------------------------------------------------
@@ -132,21 +132,48 @@ class StateStore:
             raise res
         return res
 
-    async def execute_scripts(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    async def execute_scripts(
+        self, cmds: Sequence[Sequence[Any]], on_last: Callable[[Any], None] | None = None
+    ) -> list[Any]:
         """`execute`, and the EVALSHA calls answered NOSCRIPT loaded and rerun once (just those:
-        the other commands of the round trip are not repeated). Error replies stay in place."""
-        return await run_scripts(self.execute, cmds, self._sources)
+        the other commands of the round trip are not repeated). Error replies stay in place.
+        `on_last`: called with the last command's reply as it arrives (`hooked`)."""
+        ex = self.execute if on_last is None or not cmds else self.hooked(cmds[-1], on_last)
+        return await run_scripts(ex, cmds, self._sources)
 
-    async def execute(self, cmds: Sequence[Sequence[Any]]) -> list[Any]:
+    def hooked(self, target: Sequence[Any], on_reply: Callable[[Any], None]) -> Execute:
+        """`execute` that hands `on_reply` the reply of the command `target` (the same object)
+        the moment it arrives, whether or not the caller still waits: the hand-off's reply carries
+        entries this replica's owner must take even when the request that sent it is cancelled
+        meanwhile (app/state/resp.py). A NOSCRIPT reply is skipped: the rerun's reply comes in
+        its turn. Over redis-py (no lean connection) it runs once the caller has the replies."""
+
+        async def execute(batch: Sequence[Sequence[Any]]) -> list[Any]:
+            at = next((i for i, c in enumerate(batch) if c is target), None)
+            if at is None:
+                return await self.execute(batch)
+
+            def hook(replies: list[Any]) -> None:
+                if not is_noscript(replies[at]):
+                    on_reply(replies[at])
+
+            return await self.execute(batch, hook)
+
+        return execute
+
+    async def execute(self, cmds: Sequence[Sequence[Any]], on_replies: OnReplies | None = None) -> list[Any]:
         """Raw commands in one round trip, replies in order; error replies are returned in place,
-        not raised (the caller knows which ones it can retry)."""
+        not raised (the caller knows which ones it can retry). `on_replies`: see `hooked`."""
         self.commands_total += len(cmds)
         if self.fast is not None:
-            return await self.fast.pipeline(cmds)
+            return await self.fast.pipeline(cmds, on_replies)
         async with self.redis.pipeline(transaction=False) as pipe:
             for c in cmds:
                 pipe.execute_command(*c)
-            return list(await pipe.execute(raise_on_error=False))
+            res = list(await pipe.execute(raise_on_error=False))
+        if on_replies is not None:
+            on_replies(res)
+        return res
 
     def sha(self, name: str) -> str:
         return str(self._scripts[name].sha)
@@ -210,6 +237,7 @@ class StateStore:
         *,
         epoch: str = "",
         take_ms: float = 0.0,
+        then: Sequence[Sequence[Any]] = (),
     ) -> list[str]:
         """Record a dispatched batch in the worker's ledger and return the members that were kept.
 
@@ -221,7 +249,9 @@ class StateStore:
         owner's anchor for when the worker starts the batch, in ms since the epoch. It may lie in
         the future for a batch queued behind others. `epoch` is the worker epoch the batch was
         sent to. `take_ms` (the batch's predicted ms) comes off the hand-off queue's queued-time
-        counter in the same step, once: the entries have left the queue.
+        counter in the same step, once: the entries have left the queue. `then`: informational
+        commands sent after the commit in the same round trip (the owner's `dispatched` marks,
+        issue 20), their replies ignored; they run whatever the commit answered.
         """
         expected = f"{lease_holder}|{fence}"
         if fence <= 0:
@@ -239,16 +269,23 @@ class StateStore:
             },
             separators=(",", ":"),
         )[:-1]
-        res = await self.run_script(
-            "commit_batch",
-            [
-                self.keys.owner_lease(wid),
-                self.keys.ledger(wid),
-                self.keys.tombstones(wid),
-                self.keys.queued_ms(wid),
-            ],
-            [expected, batch_id, head, f"{float(take_ms):.6f}", *uniq],
-        )
+        cmd = [
+            "EVALSHA",
+            self.sha("commit_batch"),
+            4,
+            self.keys.owner_lease(wid),
+            self.keys.ledger(wid),
+            self.keys.tombstones(wid),
+            self.keys.queued_ms(wid),
+            expected,
+            batch_id,
+            head,
+            f"{float(take_ms):.6f}",
+            *uniq,
+        ]
+        res, *_ = await self.execute_scripts([cmd, *then])
+        if isinstance(res, ResponseError):
+            raise res
         if int(res[0]) == -1:
             raise FencedOut(wid, expected, _s(res[1]))
         kept = json.loads(_s(res[1]))
@@ -387,15 +424,6 @@ class StateStore:
             outcome_json if terminal else "",
             *_flatten(fields, _REQUEST_RESERVED),
         ]
-
-    async def transition_many(
-        self, request_ids: Sequence[str], to_state: str, fields: Mapping[str, Any] | None = None
-    ) -> None:
-        """The same forward (non-terminal) step for several requests in one round trip: the owner
-        marks a committed batch's members `dispatched`. Refusals (already further on, or ended)
-        are expected and ignored, and so is a NOSCRIPT (these marks are informational)."""
-        assert to_state not in TERMINAL
-        await self.execute([self.transition_cmd(rid, to_state, fields) for rid in request_ids])
 
     async def get_request(self, request_id: str) -> dict[str, Any] | None:
         """The lifecycle record. Values are strings, except `outcome`, which is decoded from JSON."""
