@@ -483,5 +483,5 @@ TERMINAL_WRITES = Counter(
     ["result"],
     registry=REGISTRY,
 )
-for _r in ("queued", "applied", "expired", "dropped_full"):
+for _r in ("queued", "applied", "expired", "failed", "dropped_full"):
     TERMINAL_WRITES.labels(_r)

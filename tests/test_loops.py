@@ -124,6 +124,41 @@ async def test_terminal_writes_wait_for_redis_and_apply_in_order(shared_embedded
         proxy.close()
 
 
+async def test_a_queued_write_that_fails_for_good_is_dropped_and_the_rest_still_apply(
+    shared_embedded_redis, cluster
+) -> None:
+    """A queued write that Redis refuses for a reason other than being away (here WRONGTYPE, a real
+    error of the real server) would fail the same way forever: it is dropped and counted, and the
+    writes behind it still apply. The drain task used to die on it, and the queue stalled until the
+    next write restarted it on the same head."""
+    proxy = FaultProxy(shared_embedded_redis)
+    redis = aioredis.from_url(proxy.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    direct = aioredis.from_url(shared_embedded_redis)
+    q = TerminalWrites(LoopHealth(backoff=Backoff(0.02, 0.2)))
+    key, wrong = f"{cluster}:order2", f"{cluster}:a-hash"
+    failed0 = M.TERMINAL_WRITES.labels("failed")._value.get()
+    try:
+        await direct.hset(wrong, "f", "v")
+        proxy.down()
+        assert not await q.run_or_queue("w0", lambda: redis.rpush(key, 0))
+        assert not await q.run_or_queue("bad", lambda: redis.rpush(wrong, "x"))  # WRONGTYPE once up
+        assert not await q.run_or_queue("w1", lambda: redis.rpush(key, 1))
+        proxy.up()
+        end = time.monotonic() + 5
+        while len(q):
+            assert time.monotonic() < end, "the queue stalled"
+            await asyncio.sleep(0.05)
+        assert await direct.lrange(key, 0, -1) == [b"0", b"1"]
+        assert M.TERMINAL_WRITES.labels("failed")._value.get() == failed0 + 1
+        assert q._task is not None and not q._task.done()  # still draining, for the next outage
+    finally:
+        await q.stop(0)
+        await direct.delete(key, wrong)
+        await redis.aclose()
+        await direct.aclose()
+        proxy.close()
+
+
 async def _gt(v, n: int) -> bool:  # type: ignore[no-untyped-def]
     return (await v) > n
 

@@ -139,6 +139,15 @@ class TerminalWrites:
             except TRANSIENT as exc:
                 await self.loops.failed("terminal_writes", exc)
                 return len(self._q)
+            except Exception:
+                # Not Redis being away: the write itself fails (a script error, a bug), so a retry
+                # would fail the same way, and left at the head it would stall every write behind
+                # it (the drain task used to die here). It goes, counted and logged with its
+                # traceback; the reconciler repairs what it would have written, as for `expired`.
+                self._forget(self._q.popleft())
+                M.TERMINAL_WRITES.labels("failed").inc()
+                log.exception("terminal write %s failed for good; dropped, the reconciler repairs it", w.what)
+                continue
             self._forget(self._q.popleft())
             M.TERMINAL_WRITES.labels("applied").inc()
             self.loops.ok("terminal_writes")
