@@ -355,6 +355,7 @@ def brief_status(st: dict[str, Any]) -> dict[str, Any]:
         "lag_ms",
         "max_lag_ms",
         "batches_done",
+        "max_live_batches",
         "tokens_total",
         "avg_step_ms",
         "kv_free_tokens",

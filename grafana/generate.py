@@ -395,6 +395,16 @@ def cache() -> dict:
                 description="0 when every replica's mirror agrees; lag shows as short spikes",
             ),
             ts("TTFT p95 (cache effect)", (q(0.95, "flexlb_ttft_seconds"), "p95"), unit="s"),
+            ts(
+                "Shared speculative records/s",
+                (rate("flexlb_shared_speculative_records_total", by="event"), "{{event}}"),
+                description=(
+                    "Speculative-entry records on the workers' spec streams (FLEXLB_SHARED_SPECULATIVE),"
+                    " summed over replicas: published by owners, failed to publish, applied to a"
+                    " mirror, skipped (own or stale). On N replicas applied ≈ (N − 1)/N × published;"
+                    " all 0 when the setting is off"
+                ),
+            ),
         ],
     )
 

@@ -233,11 +233,20 @@ def worker_call(address: str, op: str, **kw: object) -> dict:
     return asyncio.run(call())
 
 
-def finished_records(address: str) -> list[dict]:
-    """Every finished record a prefill worker still keeps, oldest first. Paged: a pool worker keeps
-    earlier tests' records, and one status answer holds only the oldest page of them."""
+def record_mark(address: str) -> int:
+    """A prefill worker's newest finished-record number: `finished_records(address, mark)` then
+    returns only what finished after it. A pool worker keeps every earlier test's records (reset
+    keeps the history), and some tests send one request id on purpose to two clusters
+    (test_openai_fidelity): a check of "nothing ran twice" must see only its own test's records,
+    whatever ran before it on the pool (pytest-xdist changes that order)."""
+    return int(worker_call(address, "status", since_seq=10**12)["seq"])
+
+
+def finished_records(address: str, since_seq: int = 0) -> list[dict]:
+    """Every finished record a prefill worker still keeps after `since_seq`, oldest first. Paged: a
+    pool worker keeps earlier tests' records, and one status answer holds only the oldest page."""
     out: list[dict] = []
-    since = 0
+    since = since_seq
     for _ in range(1000):  # bounded: the engine's history is
         st = worker_call(address, "status", since_seq=since)
         out.extend(st["finished"])

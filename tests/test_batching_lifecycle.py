@@ -61,10 +61,14 @@ def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped
     shared_embedded_redis,
     cluster,
 ) -> None:
-    """1,000 requests from both replicas, 48 at a time, over one prefill worker with a real
-    per-batch cost: the worker, sampled every few ms, never holds more than
-    `max_inflight_batches` batches; within 100 ms of the last reply every ledger and reservation
-    is empty; the owner's late-settlement audit never had to act (settle on reply did it all)."""
+    """1,000 requests from both replicas, 32 at a time, over one prefill worker with a real
+    per-batch cost: the worker's own high-water mark of batches held at once (`max_live_batches`,
+    updated on every submit) is exactly `max_inflight_batches`, so the cap was reached and never
+    exceeded; within 100 ms of the last reply every ledger and reservation is empty; the owner's
+    late-settlement audit never had to act (settle on reply did it all).
+
+    A poller sampling `live` every 10 ms in the clients' event loop once saw at most 1 batch in
+    flight on a loaded box (CI): it missed the short overlaps the worker's mark cannot miss."""
     a, b = one_prefill_cluster
     paddr = _prefill_addr(a)
     asyncio.run(_worker(paddr, formula="12 + sum(0.002*computeTokens)"))
@@ -75,20 +79,11 @@ def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped
     r = redis.Redis.from_url(shared_embedded_redis)
     wids = list(a.get("/admin/workers", admin=True).json()["workers"])
 
-    async def run() -> tuple[list[httpx.Response], list[int], float]:
-        sem = asyncio.Semaphore(conc)
-        samples: list[int] = []
-        done = asyncio.Event()
+    # the fixture reset the worker; nothing was sent since: the mark starts from an idle worker
+    assert asyncio.run(_worker(paddr))["max_live_batches"] == 0
 
-        async def sampler() -> None:
-            c = WorkerClient(paddr)
-            try:
-                while not done.is_set():
-                    st = await c.status(10**12)  # no records, just the live view
-                    samples.append(len(st["live"]))
-                    await asyncio.sleep(0.01)
-            finally:
-                await c.close()
+    async def run() -> tuple[list[httpx.Response], float]:
+        sem = asyncio.Semaphore(conc)
 
         async def one(i: int, c: httpx.AsyncClient) -> httpx.Response:
             gw = a if i % 2 else b
@@ -98,18 +93,13 @@ def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped
 
         limits = httpx.Limits(max_connections=conc * 2)
         async with httpx.AsyncClient(timeout=120, limits=limits) as c:
-            s = asyncio.create_task(sampler())
             resps = await asyncio.gather(*(one(i, c) for i in range(n)))
             t_last = time.monotonic()
-            done.set()
-            await s
-        return resps, samples, t_last
+        return resps, t_last
 
-    resps, samples, t_last = asyncio.run(run())
+    resps, t_last = asyncio.run(run())
     bad = [x.json() for x in resps if x.status_code != 200]
     assert not bad, (len(bad), bad[:3])
-    assert max(samples) <= 2, max(samples)
-    assert max(samples) == 2 and len(samples) > 50  # the sampler saw the cap actually reached
 
     def empty() -> bool:
         for w in wids:
@@ -122,11 +112,11 @@ def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped
 
     wait_for(empty, 2.0, interval=0.002, what="ledgers and reservations empty")
     settled_after_ms = (time.monotonic() - t_last) * 1000
-    print(
-        f"ledgers+reservations empty {settled_after_ms:.1f} ms after the last reply; "
-        f"in flight max {max(samples)}"
-    )
+    peak = asyncio.run(_worker(paddr))["max_live_batches"]  # read after the timed wait
+    print(f"ledgers+reservations empty {settled_after_ms:.1f} ms after the last reply; in flight max {peak}")
     assert settled_after_ms <= 100, settled_after_ms
+    assert peak <= 2, peak  # the cap held
+    assert peak == 2  # and was actually reached
     for gw in (a, b):
         for path in ("ttl", "missed", "record"):
             assert _metric(gw, "flexlb_ledger_late_settled_total", path=path) == 0, (gw.replica_id, path)

@@ -13,7 +13,7 @@ import pytest
 
 from app.rpc.worker_client import WorkerClient
 
-from .conftest import finished_records, worker_call
+from .conftest import finished_records, record_mark, worker_call
 from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
 
@@ -200,6 +200,7 @@ def test_owner_killed_with_items_queued_and_in_flight(
         await c.close()
 
     asyncio.run(conf("1500"))
+    mark = record_mark(p.address)  # this test's records only (conftest.record_mark)
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
     b = start_gateway(tmp_path, shared_embedded_redis, cluster)
     try:
@@ -234,7 +235,8 @@ def test_owner_killed_with_items_queued_and_in_flight(
         assert [r.status_code for r in resps] == [200] * 6, bodies
         assert "claimed" in b.log()
 
-        ran = collections.Counter(r["request_id"] for r in finished_records(p.address) if r["status"] == "ok")
+        recs = finished_records(p.address, mark)
+        ran = collections.Counter(r["request_id"] for r in recs if r["status"] == "ok")
         assert all(n == 1 for n in ran.values()), ran  # nothing ran twice
     finally:
         a.stop()

@@ -75,6 +75,24 @@ def test_fifo_one_batch_at_a_time() -> None:
     ]
 
 
+def test_max_live_batches_is_the_high_water_mark_of_batches_held_at_once() -> None:
+    """Two overlapping batches, both finished, then three at once: the mark is the most held at
+    once (running + queued), kept after the work drains; `reset` returns it to 0 (tests share one
+    worker)."""
+    e = make()
+    assert e.max_live_batches == 0
+    e.submit("a", [req("a1", prompt(1, 640))], 0.0)
+    e.submit("b", [req("b1", prompt(2, 640))], 1.0)
+    assert e.max_live_batches == 2
+    e.advance_to(1000.0)
+    assert e.live_view() == [] and e.max_live_batches == 2
+    for i, name in enumerate("cde"):
+        e.submit(name, [req(f"{name}1", prompt(3 + i, 640))], 1000.0)
+    assert e.max_live_batches == 3
+    e.reset(2000.0)
+    assert e.max_live_batches == 0
+
+
 def test_prefix_hit_counts_full_blocks_and_never_whole_prompt() -> None:
     e = make()
     base = prompt(5, 64 * 10)

@@ -54,6 +54,10 @@ class PrefillEngine:
         self.now = 0.0
         self.seq = 0
         self.batches_done = 0
+        # The most batches held at once (running + queued) since start or `reset`: an owner's
+        # in-flight cap is proved on the worker by this high-water mark, which a poller sampling
+        # `live` every few ms can miss when two batches overlap only briefly.
+        self.max_live_batches = 0
         self._rng = random.Random(seed)
         self._queue: deque[Batch] = deque()
         self._running: Batch | None = None
@@ -111,6 +115,8 @@ class PrefillEngine:
         for rid in members:
             self._req_batch[rid] = batch_id
         self._queue.append(b)
+        held = len(self._queue) + (self._running is not None)
+        self.max_live_batches = max(self.max_live_batches, held)
         pos = self._position(b)
         effects.extend(self._pump())
         return SubmitOutcome(True, False, pos, effects)
@@ -192,6 +198,7 @@ class PrefillEngine:
         self._tombstones.clear()
         self._exit_sent = False
         self.batches_done = 0
+        self.max_live_batches = 0
         self.faults = Faults()
         self._rng = random.Random(self.seed)
         self.now = max(self.now, now)

@@ -151,6 +151,7 @@ class ControlModel:
                 queue_len=sum(1 for b in live if b["phase"] == "queued"),
                 queued_predicted_ms=core.queued_predicted_ms(),
                 batches_done=core.batches_done,
+                max_live_batches=core.max_live_batches,
                 pinned=core.pinned_ids(),
                 kv_released=dict(self.released),
             )
