@@ -127,6 +127,10 @@ class HttpMetrics:
         self.series = series
         self.excluded = [re.compile(p) for p in excluded]
         self._skip: dict[str, bool] = {}  # handler -> excluded (templates only: a bounded set)
+        # (method, status class, handler) -> its children of the four labelled series: `labels`
+        # takes a lock and builds a key per call, four times a request. No more entries than the
+        # series have children (nothing here removes one).
+        self._children: dict[tuple[str, str, str], tuple[Any, Any, Any, Any]] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -166,8 +170,18 @@ class HttpMetrics:
                 return
         s = self.series
         method = scope["method"]
-        s.total.labels(method, f"{str(status)[0]}xx", handler).inc()
-        s.in_size.labels(handler).observe(_content_length(scope["headers"]))
-        s.out_size.labels(handler).observe(out_size)
+        key = (method, f"{str(status)[0]}xx", handler)
+        children = self._children.get(key)
+        if children is None:
+            children = self._children[key] = (
+                s.total.labels(*key),
+                s.in_size.labels(handler),
+                s.out_size.labels(handler),
+                s.latency_lowr.labels(method, handler),
+            )
+        total, in_size, out_size_s, latency_lowr = children
+        total.inc()
+        in_size.observe(_content_length(scope["headers"]))
+        out_size_s.observe(out_size)
         s.latency_highr.observe(duration)
-        s.latency_lowr.labels(method, handler).observe(duration)
+        latency_lowr.observe(duration)
