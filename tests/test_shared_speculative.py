@@ -101,16 +101,14 @@ async def test_owner_publishes_each_read_handoffs_blocks_on_its_next_read(
     """A real owner reads two hand-offs (origins A and B, carried keys) and writes their blocks to
     the worker's spec stream in the pipeline of its next queue read: one record per origin, the
     keys the origin routed on, counted among the owner's Redis commands (one XADD per record, no
-    round trip of its own). Off (`share_speculative=False`), nothing is written; nor when no other
-    replica is alive to read the records (`spec_readers`, from membership's heartbeat)."""
+    round trip of its own). Off (`share_speculative=False`), nothing is written."""
     p = clients["prefill"][0]
     await p.configure(formula="5")
     epoch = (await p.status())["epoch"]
     d = await p.describe()
     bs = int(d["block_size"])
     space = namespace_seed(str(d["model_name"]), str(d["tokenizer"]), bs)
-    for shared, readers in ((True, None), (False, None), (True, lambda: False)):
-        publish = shared and readers is None
+    for shared in (True, False):
         keys, wid, r, store, handoff = await handoff_rig(shared_embedded_redis, "t-sspec", p.address)
         lease = Lease(keys.owner_lease(wid), "gw-own", 3000, 1000)
         assert await acquire_leases(r, keys.fence_counter, [lease])
@@ -123,7 +121,6 @@ async def test_owner_publishes_each_read_handoffs_blocks_on_its_next_read(
             shared_embedded_redis,
             epoch=lambda: epoch,
             share_speculative=shared,
-            spec_readers=readers,
         )
         own.start()
         want: dict[str, list[int]] = {}
@@ -139,13 +136,13 @@ async def test_owner_publishes_each_read_handoffs_blocks_on_its_next_read(
             while time.monotonic() < end:  # both answered: both read, and at least one read since
                 await lease.renew(r)
                 answered = [await r.xlen(keys.replies(o)) for o in want]
-                if all(answered) and own.spec_out.noted == 2 * publish:
+                if all(answered) and own.spec_out.noted == 2 * shared:
                     break
                 await asyncio.sleep(0.05)
             await asyncio.sleep(0.3)  # > one BLOCK 100 read: the last notes went out with it
             recs = [parse_record(f) for _, f in await r.xrange(keys.spec_stream(wid))]
             got = {rec.origin: sorted(rec.keys.tolist()) for rec in recs if rec}
-            if publish:
+            if shared:
                 assert got == {o: sorted(ks) for o, ks in want.items()}
             else:
                 assert got == {} and own.spec_out.noted == 0

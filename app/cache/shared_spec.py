@@ -35,7 +35,7 @@ records are not fenced. Pure: no I/O, time passed in.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,14 +60,10 @@ class SpecRecord:
 class SpecOutbox:
     """The owner's notes of hand-offs read since its last flush, by origin."""
 
-    __slots__ = ("_by_origin", "enabled", "noted", "readers")
+    __slots__ = ("_by_origin", "enabled", "noted")
 
-    def __init__(self, enabled: bool = True, readers: Callable[[], bool] | None = None) -> None:
+    def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled  # FLEXLB_SHARED_SPECULATIVE; off: notes nothing, publishes nothing
-        # Whether another replica is alive to read the records (membership's last heartbeat): a
-        # lone replica's records would only be skipped by its own follower, one XADD per read for
-        # nothing. None: always publish (no membership to ask).
-        self.readers = readers
         self._by_origin: dict[str, list[Any]] = {}
         self.noted = 0  # hand-offs noted so far (flushed or pending)
 
@@ -75,8 +71,6 @@ class SpecOutbox:
         """A hand-off read for the worker: its routing block keys (None for an entry without
         them, from an origin older than issue 20: nothing to publish)."""
         if not self.enabled or keys is None or len(keys) == 0:
-            return
-        if self.readers is not None and not self.readers():
             return
         self._by_origin.setdefault(origin, []).append(keys)
         self.noted += 1

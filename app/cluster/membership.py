@@ -35,13 +35,11 @@ log = logging.getLogger(__name__)
 # Server time in ms, as a string Redis accepts as a score (Lua 5.1 would print big numbers as 1.7e+12).
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) "
 
-# KEYS[1] members ZSET; ARGV rid, ttl_ms → {1 if newly added (we had been reaped or are new), now_ms,
-# live members (us included)}
+# KEYS[1] members ZSET; ARGV rid, ttl_ms → {1 if newly added (we had been reaped or are new), now_ms}
 _HEARTBEAT = LuaScript(
     _NOW
     + "local added = redis.call('ZADD', KEYS[1], string.format('%.0f', now + tonumber(ARGV[2])), ARGV[1]) "
-    "local live = redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%.0f', now), '+inf') "
-    "return {added, string.format('%.0f', now), live}"
+    "return {added, string.format('%.0f', now)}"
 )
 # KEYS[1] members ZSET; ARGV[1] 'live' | 'dead' → member ids (score is the expiry: live iff expiry > now)
 _RANGE = LuaScript(
@@ -95,9 +93,6 @@ class Membership:
         self.loops = loops or LoopHealth()
         self.started_ms = int(time.time() * 1000)
         self.last_ok: float | None = None  # monotonic time of the last successful heartbeat
-        # Live replicas at the last heartbeat, us included (None before the first): lets an owner
-        # skip publishing speculative records that no other replica would read.
-        self.live_count: int | None = None
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -122,8 +117,6 @@ class Membership:
         elif isinstance(beat, Exception):
             raise beat
         self.last_ok = sent
-        if len(beat) > 2:
-            self.live_count = int(beat[2])
         return int(beat[0]) == 1
 
     async def live_members(self) -> list[str]:

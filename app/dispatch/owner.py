@@ -63,7 +63,6 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
         reclaim_idle_ms: int = 5000,
         reclaim_every_s: float = 2.0,
         share_speculative: bool = True,
-        spec_readers: Callable[[], bool] | None = None,
         local_reply: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.wid = wid
@@ -86,7 +85,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
         self.reclaim_every_s = reclaim_every_s
         self._handling: set[str] = set()  # entry ids read and not yet answered by us
         # FLEXLB_SHARED_SPECULATIVE: each read hand-off's blocks, published for every replica.
-        self.spec_out = SpecOutbox(enabled=share_speculative, readers=spec_readers)
+        self.spec_out = SpecOutbox(enabled=share_speculative)
         # Set after the first claim: XAUTOCLAIM takes entries pending for *any* consumer, us
         # included, so reading new entries before it would hand the claim our own fresh entries
         # to "redispatch" (cancelling their running batch on the worker).

@@ -66,8 +66,6 @@ class Ownership:
         self.leases: LeaseManager | None = None  # set by the replica once the lease manager exists
         # Set by the replica: its reply inbox, which our owners answer in process (issue 20).
         self.local_reply: Callable[[dict[str, str]], None] | None = None
-        # Set by the replica: whether another replica is alive to read speculative records.
-        self.spec_readers: Callable[[], bool] | None = None
         self.pollers: dict[str, WorkerPoller] = {}
         self.dispatchers: dict[str, OwnerDispatcher] = {}
 
@@ -132,7 +130,6 @@ class Ownership:
                 loops=self.loops,
                 terminal=self.terminal,
                 share_speculative=self.settings.shared_speculative,
-                spec_readers=self.spec_readers,
                 local_reply=self.local_reply,
             )
             self.dispatchers[wid] = d

@@ -165,8 +165,6 @@ class Replica:
         )
         self.replies = ReplyRouter(redis_url, self.keys, self.replica_id, self.loops)
         self.ownership.local_reply = self.replies.deliver
-        # Unknown (before the first heartbeat) counts as "others may read": a hint too many is cheap.
-        self.ownership.spec_readers = lambda: (self.membership.live_count or 2) > 1
         self.pipeline = Pipeline(
             replica_id=self.replica_id,
             settings=settings,
