@@ -64,6 +64,12 @@ class ServingProcs:
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.restarts: dict[int, int] = {}
         self.stopping = threading.Event()
+        # Held while the watcher decides on and makes a restart, and while a stop begins: a
+        # restart is either finished before the stop (so the stop signals and waits for it) or
+        # not made at all. Without it a process that exited as the stop began (the signal reached
+        # the whole group) could be started again after the stop had gone over `procs`, and
+        # outlive the gateway (CI: one left 20 s after `flexlb up` had stopped).
+        self._lock = threading.Lock()
         self._watch: threading.Thread | None = None
 
     def _spawn(self, k: int) -> subprocess.Popen[bytes]:
@@ -86,28 +92,31 @@ class ServingProcs:
     def _watch_loop(self) -> None:
         while not self.stopping.wait(0.5):
             for k, p in list(self.procs.items()):
-                rc = p.poll()
-                if rc is None or self.stopping.is_set():
-                    continue
-                n = self.restarts.get(k, 0)
-                if n >= MAX_RESTARTS:
-                    log.error("serving process %d exited rc=%s; not restarted again", k, rc)
-                    del self.procs[k]
-                    continue
-                self.restarts[k] = n + 1
-                log.warning("serving process %d exited rc=%s; restarting it", k, rc)
-                self.procs[k] = self._spawn(k)
+                with self._lock:
+                    rc = p.poll()
+                    if rc is None or self.stopping.is_set():
+                        continue
+                    n = self.restarts.get(k, 0)
+                    if n >= MAX_RESTARTS:
+                        log.error("serving process %d exited rc=%s; not restarted again", k, rc)
+                        del self.procs[k]
+                        continue
+                    self.restarts[k] = n + 1
+                    log.warning("serving process %d exited rc=%s; restarting it", k, rc)
+                    self.procs[k] = self._spawn(k)
 
     def signal(self, sig: int) -> None:
         """Forward a shutdown signal: each process drains like a replica of its own."""
-        self.stopping.set()
+        with self._lock:
+            self.stopping.set()
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(sig)
 
     def wait(self, timeout_s: float) -> None:
         """After this process's own shutdown: the others' (bounded, then SIGKILL)."""
-        self.stopping.set()
+        with self._lock:
+            self.stopping.set()
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
             if p.poll() is None:
