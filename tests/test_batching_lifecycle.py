@@ -349,6 +349,10 @@ def test_a_refused_decode_reservation_is_placed_on_another_decode_worker(
         spec,
         FLEXLB_POLL_INTERVAL_MS="5000",
         FLEXLB_DECODE_STRATEGY="round_robin",
+        # The hold below has no request record, so the master's reconciler releases it as leaked
+        # (as it should) at its next pass, 2 s by default: on a loaded box that came before the
+        # third request (CI). TODO: hold through a real request of a second replica instead.
+        FLEXLB_RECONCILE_INTERVAL_MS="120000",
     )
     r = redis.Redis.from_url(shared_embedded_redis)
     keys = Keys(cluster)
