@@ -82,13 +82,14 @@ def _error(err: hiredis.ReplyError) -> ResponseError | BusyLoadingError:
 
 
 class _Waiter:
-    __slots__ = ("fut", "left", "on_replies", "replies")
+    __slots__ = ("busy", "fut", "left", "on_replies", "replies")
 
     def __init__(self, fut: asyncio.Future[list[Any]], n: int, on_replies: OnReplies | None = None) -> None:
         self.fut = fut
         self.left = n
         self.on_replies = on_replies
         self.replies: list[Any] = []
+        self.busy: BusyLoadingError | None = None  # a LOADING reply among them (see the module doc)
 
 
 class _Protocol(asyncio.Protocol):
@@ -115,14 +116,17 @@ class _Protocol(asyncio.Protocol):
                 self.fail(RedisConnectionError("unexpected reply"))
                 return
             w = self.waiters[0]
-            w.replies.append(_error(reply) if isinstance(reply, hiredis.ReplyError) else reply)
+            if isinstance(reply, hiredis.ReplyError):
+                reply = _error(reply)
+                if isinstance(reply, BusyLoadingError):
+                    w.busy = reply
+            w.replies.append(reply)
             w.left -= 1
             if w.left == 0:
                 self.waiters.popleft()
-                busy = next((r for r in w.replies if isinstance(r, BusyLoadingError)), None)
-                if busy is not None:  # nothing of it ran (see the module doc)
+                if w.busy is not None:  # nothing of it ran (see the module doc)
                     if not w.fut.done():
-                        w.fut.set_exception(busy)
+                        w.fut.set_exception(w.busy)
                     continue
                 if w.on_replies is not None:
                     try:
