@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import signal
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,16 @@ from .gateways import ADMIN_TOKEN, Gateway, start_gateway, wait_for
 from .test_batching_live import one_prefill_cluster  # noqa: F401  (shared fixture)
 
 H = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+# The pool decode worker's KV for the refused-reservation test, and the real request that fills it:
+# it reserves its prompt + maximum (nothing learned yet) = 1,960 of 2,000 tokens, leaving 40, less
+# than the 133 a `which decode` request needs. Its decode takes ~1,900 x 8 ms modelled steps at a
+# clock 4x slower than the wall: ~60 s, far past the rest of the test (a few seconds); it is
+# cancelled at the end.
+HOLD_CAP = 2_000
+HOLD_PROMPT = "h" * 60  # byte tokenizer: 60 prompt tokens
+HOLD_NEW = 1_900
+HOLD_TIME_SCALE = 4.0
 
 
 def _metric(gw: Gateway, name: str, **labels: str) -> float:
@@ -331,54 +342,127 @@ def test_batch_that_fails_before_the_worker_accepts_it_is_retried_once_elsewhere
 
 
 def test_a_refused_decode_reservation_is_placed_on_another_decode_worker(
-    worker_pool, worker_tmp, shared_embedded_redis, cluster, tmp_path
+    workers_reset, worker_tmp, shared_embedded_redis, cluster, tmp_path
 ) -> None:
-    """The decode worker the router picks refuses the reservation: other replicas filled it since
-    the snapshot the router ranked on (made stale on purpose: 5 s polls, and the hold is written
-    straight into Redis). The origin reserves on the next decode worker instead of answering 429."""
-    from .conftest import start_worker
+    """The decode worker the router picks refuses the reservation: requests admitted since the
+    snapshot the router ranked on hold its KV (made stale on purpose: one poll at start-up). The
+    origin reserves on the next decode worker instead of answering 429.
 
+    The hold is a real request the gateway admitted: a long generation on the pool's decode worker,
+    reconfigured for this test (a small KV and a slower clock), still running while the later
+    requests are routed. It is this replica's own: the router counts reservations only through
+    the snapshot, so its own hold is as unseen as another replica's until the next poll.
+    `workers_reset` puts the pool back, pass or fail."""
+    from .conftest import start_worker, worker_call
+
+    p, d = workers_reset["prefill"][0], workers_reset["decode"][0]
+    configured = worker_call(d.address, "configure", kv_capacity_tokens=HOLD_CAP, time_scale=HOLD_TIME_SCALE)
+    assert configured.get("ok"), configured
     extra = start_worker("decode", worker_tmp, "--profile", "formula", "--formula", "1")
-    p, d = worker_pool["prefill"][0], worker_pool["decode"][0]
-    ids = [f"decode@{d.address}", f"decode@{extra.address}"]
-    spec = ",".join([f"prefill@{p.address}", *ids])
+    did, xid = f"decode@{d.address}", f"decode@{extra.address}"
+    spec = ",".join([f"prefill@{p.address}", did, xid])
     a = start_gateway(
         tmp_path,
         shared_embedded_redis,
         cluster,
         spec,
-        FLEXLB_POLL_INTERVAL_MS="5000",
+        # One poll per worker at start-up and the next 10 minutes later: everything below is
+        # routed on snapshots from before the long request was admitted, however slow the box.
+        FLEXLB_POLL_INTERVAL_MS="600000",
         FLEXLB_DECODE_STRATEGY="round_robin",
-        # The hold below has no request record, so the master's reconciler releases it as leaked
-        # (as it should) at its next pass, 2 s by default: on a loaded box that came before the
-        # third request (CI). TODO: hold through a real request of a second replica instead.
-        FLEXLB_RECONCILE_INTERVAL_MS="120000",
     )
     r = redis.Redis.from_url(shared_embedded_redis)
     keys = Keys(cluster)
+    hold_id = f"hold-{cluster}"
+    hold_out: list[httpx.Response | httpx.TransportError] = []
+    body = {"prompt": "which decode " * 10, "max_new_tokens": 3}
+
+    def send(extra_fields: dict[str, Any] | None = None) -> httpx.Response:
+        return httpx.post(a.url + "/v1/generate", json={**body, **(extra_fields or {})}, timeout=30)
+
+    def hold() -> None:
+        req = {"prompt": HOLD_PROMPT, "max_new_tokens": HOLD_NEW, "request_id": hold_id}
+        try:
+            hold_out.append(httpx.post(a.url + "/v1/generate", json=req, timeout=120))
+        except httpx.TransportError as exc:  # the gateway stopped under it: a failed test's cleanup
+            hold_out.append(exc)
+
+    holder = threading.Thread(target=hold, daemon=True)
     try:
         wait_for(lambda: a.readyz()["ready"], 60, what="ready")
-        body = {"prompt": "which decode " * 10, "max_new_tokens": 3}
-        first = httpx.post(a.url + "/v1/generate", json=body, timeout=30)
-        assert first.status_code == 200, first.text
-        last = first.json()["decode_worker"]
-        nxt = next(w for w in ids if w != last)  # round_robin goes by id: the other one is next
-        cap = int(
-            float(a.get("/admin/workers", admin=True).json()["workers"][nxt]["snapshot"]["kv_total_tokens"])
+        wait_for(
+            lambda: _snapshot(a, did).get("kv_total_tokens") in (HOLD_CAP, str(HOLD_CAP)),
+            30,
+            what=f"the gateway to see the decode worker's {HOLD_CAP}-token KV",
         )
-        r.hset(keys.reservations(nxt), mapping={"someone-else": cap, "_total": cap})  # full, unseen
+        # round_robin goes by id, wrapping: once a request went to the other worker, the next
+        # one goes to the pool's
+        first = send()
+        assert first.status_code == 200, first.text
+        if first.json()["decode_worker"] == did:
+            first = send()
+            assert first.status_code == 200, first.text
+        assert first.json()["decode_worker"] == xid, first.text
+
+        holder.start()
+        # Its reservation, written by the gateway when it admitted it (read-only poll).
+        held = int(
+            wait_for(lambda: r.hget(keys.reservations(did), hold_id), 30, what="the long request's hold")
+        )
+        assert held == len(HOLD_PROMPT) + HOLD_NEW, held  # nothing learned yet: prompt + its maximum
+        wait_for(lambda: hold_id in _decoding(d.address), 30, what="the long request decoding")
+        spacer = send()  # round_robin's turn of the other worker, so the next turn is the full one's
+        assert spacer.status_code == 200 and spacer.json()["decode_worker"] == xid, spacer.text
+
         before = _metric(a, "flexlb_decode_reserve_retries_total")
-        second = httpx.post(a.url + "/v1/generate", json=body, timeout=30)
+        second = send()
         assert second.status_code == 200, second.text
-        assert second.json()["decode_worker"] == last  # placed on the other worker
+        assert second.json()["decode_worker"] == xid  # placed on the other worker
+        assert not r.hexists(keys.reservations(did), second.json()["request_id"])  # refused: nothing held
         assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 1
-        assert not r.hexists(keys.reservations(last), second.json()["request_id"])  # released at the end
+        assert not r.hexists(keys.reservations(xid), second.json()["request_id"])  # released at the end
         # the same with a client request id (recorded first, then handed off: the other code path)
-        third = httpx.post(a.url + "/v1/generate", json={**body, "request_id": f"rr-{cluster}"}, timeout=30)
-        assert third.status_code == 200 and third.json()["decode_worker"] == last, third.text
+        third = send({"request_id": f"rr-{cluster}"})
+        assert third.status_code == 200 and third.json()["decode_worker"] == xid, third.text
         assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 2
+        # The refusals were the long request's doing: still held and decoding, and the router's
+        # snapshot never counted it (a poll in between would have skipped the worker, no retry).
+        assert r.hget(keys.reservations(did), hold_id) is not None, "the long request ended early"
+        assert hold_id in _decoding(d.address), "the long request stopped decoding: box too slow?"
+        assert int(float(_snapshot(a, did).get("reserved_tokens", 0) or 0)) == 0, _snapshot(a, did)
+
+        assert a.delete(f"/v1/requests/{hold_id}").status_code == 202
+        holder.join(60)
+        ended = hold_out[0] if hold_out else None
+        assert isinstance(ended, httpx.Response) and ended.status_code == 499, ended  # cancelled
+        assert ended.json()["error"]["code"] == "cancelled", ended.text
+        wait_for(
+            lambda: not r.hexists(keys.reservations(did), hold_id),
+            30,
+            what="the long request's hold released",
+        )
+        for wid in (did, xid):  # nothing left held on either worker
+            left = {k.decode(): v.decode() for k, v in r.hgetall(keys.reservations(wid)).items()}
+            assert set(left) <= {"_total"} and int(float(left.get("_total", 0))) == 0, (wid, left)
     finally:
-        r.delete(keys.reservations(ids[1]), keys.reservations(ids[0]))
         a.stop()
+        if holder.is_alive():  # its client call ends with the gateway
+            holder.join(30)
         extra.stop()
         r.close()
+
+
+def _snapshot(gw: Gateway, wid: str) -> dict[str, Any]:
+    """The gateway's latest snapshot of ``wid`` (what its routing reads)."""
+    snap: dict[str, Any] = (
+        gw.get("/admin/workers", admin=True).json()["workers"].get(wid, {}).get("snapshot", {})
+    )
+    return snap
+
+
+def _decoding(address: str) -> list[str]:
+    """Ids the decode worker's engine is generating for now."""
+    from .conftest import worker_call
+
+    running: list[str] = worker_call(address, "status")["live"]["running"]
+    return running
