@@ -36,6 +36,8 @@ class DecodeStage(RequestContext):
             kv_worker=pre_addr,
             kv_epoch=reply.get("epoch", ""),
             timeout=req.timeout_ms / 1000,
+            block_size=p.block_size if self.settings.decode_shared_prefix else 0,
+            block_keys=p.keys,
         )
         try:
             async with contextlib.aclosing(stream):  # leaving early ends the RPC now

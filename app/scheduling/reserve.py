@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-__all__ = ["OutputLengthEstimator", "parse_reserve_policy"]
+__all__ = ["OutputLengthEstimator", "SharedBlockHolds", "parse_reserve_policy"]
 
 
 def parse_reserve_policy(policy: str) -> float | None:
@@ -66,3 +66,45 @@ class OutputLengthEstimator:
         if est is None:
             return max_new_tokens
         return max(1, min(max_new_tokens, math.ceil(est)))
+
+
+class SharedBlockHolds:
+    """One decode worker's reserved prompt blocks, each counted once however many requests hold it.
+
+    A decode engine with paged KV (vLLM, SGLang, workers/engine/decode.py given `block_keys`)
+    holds a full prompt block that several of its running sequences share once: an application's
+    system prompt, or a session's history while its next turn already decodes. Reserving prompt +
+    output per request counted such a block once per holder and refused the worker while most of
+    its KV was duplicates (chat_agents at load 4: a third of the pool). The origin reserves only
+    the blocks no reservation on the worker names yet; the live twin is the `reserve` / `release`
+    scripts (app/state/scripts.py), which keep the same counts in Redis.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.count: dict[int, int] = {}
+        self.of: dict[str, tuple[int, ...]] = {}
+
+    def held_tokens(self, keys: tuple[int, ...]) -> int:
+        """Tokens of ``keys``' blocks some reservation on this worker already holds."""
+        return self.block_size * sum(1 for k in keys if k in self.count)
+
+    def hold(self, request_id: str, keys: tuple[int, ...]) -> None:
+        if not keys:
+            return
+        for k in keys:
+            self.count[k] = self.count.get(k, 0) + 1
+        self.of[request_id] = keys
+
+    def drop(self, request_id: str) -> int:
+        """The request's hold ends; returns the tokens of its blocks other holds still name (not
+        freed: subtract them from the request's reserved amount)."""
+        kept = 0
+        for k in self.of.pop(request_id, ()):
+            n = self.count[k] - 1
+            if n:
+                self.count[k] = n
+                kept += 1
+            else:
+                del self.count[k]
+        return kept * self.block_size
