@@ -71,8 +71,9 @@ class OutputLengthEstimator:
 class SharedBlockHolds:
     """One decode worker's reserved prompt blocks, each counted once however many requests hold it.
 
-    A decode engine with paged KV (vLLM, SGLang, workers/engine/decode.py given `block_keys`)
-    holds a full prompt block that several of its running sequences share once: an application's
+    A decode engine with a prefix cache on its paged KV (vLLM's decode instance, SGLang's with
+    its decode radix cache, workers/engine/decode.py given `block_keys`) holds a full prompt
+    block that several of its running sequences share once: an application's
     system prompt, or a session's history while its next turn already decodes. Reserving prompt +
     output per request counted such a block once per holder and refused the worker while most of
     its KV was duplicates (chat_agents at load 4: a third of the pool). The origin reserves only
