@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.scheduling.reserve import SharedBlockHolds
+from app.scheduling.reserve import SHARE_CHUNK_TOKENS, SharedBlockHolds, share_chunk_size, share_chunks
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
 from app.state.keys import Keys
@@ -38,6 +38,18 @@ def test_shared_block_holds_count_a_block_once() -> None:
     assert h.held_tokens((1, 2, 3)) == 2 * BS
     assert h.drop("b") == 0
     assert h.drop("b") == 0 and not h.count and not h.of
+
+
+def test_a_hold_names_one_chained_key_per_chunk() -> None:
+    # Each named key costs the RESERVE / RELEASE scripts a Redis call: at a 64-token block a hold
+    # names every 8th block's key (a chained key names its whole prefix), whole chunks only.
+    keys = list(range(100, 120))  # 20 full blocks of 64
+    assert share_chunk_size(64) == SHARE_CHUNK_TOKENS == 512
+    assert share_chunks(64, keys) == (512, [107, 115])
+    assert share_chunks(512, keys) == (512, keys)
+    assert share_chunks(1024, keys[:3]) == (1024, keys[:3])
+    assert share_chunks(64, keys[:7]) == (512, [])  # no whole chunk: nothing shared
+    assert share_chunks(0, keys) == (0, [])
 
 
 @pytest.fixture

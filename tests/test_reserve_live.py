@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import redis
 
+from app.scheduling.reserve import share_chunk_size
 from app.state.keys import Keys
 
 from .conftest import WorkerProc, worker_call
@@ -133,7 +134,9 @@ def test_a_second_request_on_a_shared_prompt_holds_only_its_new_blocks(
     dec = pool["decode"][0]
     did = f"decode@{dec.address}"
     n_prompt = len(SHARED_PROMPT)
-    cap = n_prompt + HOLD_NEW + 500  # ~500 left beside the long request: < the prompt, > its last block + 200
+    # ~800 left beside the long request: < the prompt, > the prompt's unshared tail (less than one
+    # sharing chunk, `share_chunk_size`) + 200
+    cap = n_prompt + HOLD_NEW + 800
     configured = worker_call(dec.address, "configure", kv_capacity_tokens=cap, time_scale=DECODE_TIME_SCALE)
     assert configured.get("ok"), configured
     spec = f"prefill@{pool['prefill'][0].address},{did}"
@@ -159,14 +162,14 @@ def test_a_second_request_on_a_shared_prompt_holds_only_its_new_blocks(
             what=f"the gateway to see the decode worker's {cap}-token KV",
         )
         bs = int(float(_snapshot(a, f"prefill@{pool['prefill'][0].address}").get("block_size") or 0))
-        assert 0 < bs <= 250, bs  # the last partial block + 200 fit in the ~500 left
+        assert 0 < share_chunk_size(bs) <= 600, bs  # the unshared tail + 200 fit in the ~800 left
         long_req.start()
         hold = int(wait_for(lambda: r.hget(held, long_id), 30, what="the long request's reservation"))
         assert hold == n_prompt + HOLD_NEW, hold
         assert int(r.hget(held, "_total") or 0) == hold
         wait_for(lambda: long_id in _decoding(dec), 30, what="the long request decoding")
 
-        second = gen(200)  # prompt + 200 = ~3,200 > ~500 left unless the prompt's blocks are shared
+        second = gen(200)  # prompt + 200 = ~3,200 > ~800 left unless the prompt's blocks are shared
         assert second.status_code == 200, second.text
         out = second.json()
         assert out["decode_worker"] == did and out["usage"]["completion_tokens"] == 200, second.text

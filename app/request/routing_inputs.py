@@ -21,6 +21,7 @@ from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.plugins.registry import Candidates
 from app.scheduling.policy import Policy
+from app.scheduling.reserve import share_chunks
 from app.scheduling.routing import (
     Choice,
     DecodeQuery,
@@ -256,7 +257,7 @@ class RoutingInputs(RequestContext):
         a block another hold on the worker names is counted once, as the engine holds it."""
         if not self.settings.decode_shared_prefix:
             return 0, []
-        return self.prompt_keys(req, p)
+        return share_chunks(*self.prompt_keys(req, p))
 
     def decode_query(self, req: GenRequest, p: Progress, need: int) -> DecodeQuery:
         """The decode placement of a hold of `need` tokens (prompt + reserved output)."""
