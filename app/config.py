@@ -89,6 +89,10 @@ class Settings(BaseSettings):
     reserve_output_tokens: str = Field(
         "p90", description="decode KV reserved per request: max_new_tokens (max), or learned mean / pXX"
     )
+    decode_shared_prefix: bool = Field(
+        True,
+        description="a prompt block another decode hold on the worker names is reserved once (paged KV)",
+    )
     admission_drop_late: str = Field(
         "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"
     )

@@ -152,7 +152,9 @@ def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
 # Suffix → (SimConfig flag, value). Both flags default to the live gateway's settings (on), so
 # ``-fresh`` / ``-shared`` turn one off; ``+`` turns it on where the environment turned it off.
 # ``+expected`` / ``-expected``: the decode engines admit on expected use and preempt (`expected`)
-# or hold prompt + max_new_tokens (`reserve`, SimConfig's default).
+# or hold prompt + max_new_tokens (`reserve`, SimConfig's default). ``-dshare`` / ``+dshare``: a
+# prompt block several decode sequences / holds on a worker share counted per sequence (off) or once
+# (`SimConfig.decode_shared_prefix`, live `FLEXLB_DECODE_SHARED_PREFIX`, default on).
 SUFFIXES = {
     "+fresh": ("fresh_pick", True),
     "+shared": ("shared_speculative", True),
@@ -160,6 +162,8 @@ SUFFIXES = {
     "-shared": ("shared_speculative", False),
     "+expected": ("decode_admission", "expected"),
     "-expected": ("decode_admission", "reserve"),
+    "+dshare": ("decode_shared_prefix", True),
+    "-dshare": ("decode_shared_prefix", False),
 }
 # ``+res:POLICY`` (max | mean | pXX): the decode KV the origin reserves per request
 # (`SimConfig.reserve_output_tokens`, live `FLEXLB_RESERVE_OUTPUT_TOKENS`; default the live setting).

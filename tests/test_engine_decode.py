@@ -157,3 +157,44 @@ def test_expected_use_admission_preempts_and_recomputes_when_kv_runs_out() -> No
     assert e.kv_view()["kv_free_tokens"] == 300
     with pytest.raises(ValueError):
         make(admission="sometimes")
+
+
+@pytest.mark.parametrize("admission", ["reserve", "expected"])
+def test_running_sequences_hold_a_shared_prompt_block_once(admission: str) -> None:
+    # 300 tokens of KV; a (output 50) and b (output 100) share their prompt's two 50-token blocks,
+    # as a session's turns or an application's prompt do on vLLM's / SGLang's paged KV. Counted
+    # once, b fits beside a (150 + 100 of 300) and both run at once; counted twice (before), b
+    # waited for a's end. When a ends, the blocks stay held for b: 200 tokens in use, not 100.
+    e = make(kv_capacity_tokens=300, admission=admission)
+    e.submit(DecodeRequest("a", 100, 50, block_keys=(1, 2), block_size=50), 0.0)
+    e.submit(DecodeRequest("b", 100, 100, block_keys=(1, 2), block_size=50), 0.0)
+    eff = drain(e, until=650.0)
+    assert sorted(e.live_view()["running"]) == ["a", "b"]
+    if admission == "reserve":
+        assert e.kv_view()["kv_free_tokens"] == 50
+    eff += drain(e, until=100 + 50 * 12 + 1)
+    fin = {x.request_id: x for x in eff if isinstance(x, DecodeFinished)}
+    assert fin["a"].t_ms == pytest.approx(100 + 50 * 12)
+    assert e.live_view()["running"] == ["b"]
+    if admission == "reserve":
+        assert e.kv_view()["kv_free_tokens"] == 100  # b's 200: the shared blocks stayed
+    eff += drain(e)
+    fin = {x.request_id: x for x in eff if isinstance(x, DecodeFinished)}
+    assert fin["b"].t_ms == pytest.approx(100 + 50 * 12 + 50 * 11)  # never waited behind a
+    assert tokens_of(eff, "b") == output_tokens(0, "b", 1, 100)
+    assert e.preemptions == 0
+    assert e.kv_view()["kv_free_tokens"] == 300 and not e._blocks and e._shared_tokens == 0
+
+
+def test_a_preempted_sequence_gives_back_its_shared_blocks() -> None:
+    # Expected-use admission: b is preempted while sharing a's blocks; its share is released
+    # (nothing counted twice afterwards) and retaken when it is readmitted.
+    e = make(kv_capacity_tokens=260, admission="expected")
+    e.submit(DecodeRequest("a", 100, 100, block_keys=(1, 2), block_size=50), 0.0)
+    e.submit(DecodeRequest("b", 100, 100, block_keys=(1, 2), block_size=50), 0.0)
+    eff = drain(e)
+    fin = {x.request_id: x for x in eff if isinstance(x, DecodeFinished)}
+    assert fin["a"].reason == fin["b"].reason == "length"
+    assert e.preemptions >= 1
+    assert tokens_of(eff, "b") == output_tokens(0, "b", 1, 100)
+    assert e.kv_view()["kv_free_tokens"] == 260 and not e._blocks and e._shared_tokens == 0

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import redis
 
+from app.scheduling.reserve import share_chunk_size
 from app.state.keys import Keys
 
 from .conftest import WorkerProc, worker_call
@@ -116,3 +117,73 @@ def _decoding(w: WorkerProc) -> list[str]:
     """Ids the decode worker's engine is generating for now."""
     running: list[str] = worker_call(w.address, "status")["live"]["running"]
     return running
+
+
+SHARED_PROMPT = "s" * 3_000  # byte tokenizer: ~3,000 prompt tokens, all but the last block full
+
+
+def test_a_second_request_on_a_shared_prompt_holds_only_its_new_blocks(
+    workers_reset: dict[str, list[WorkerProc]], shared_embedded_redis: str, cluster: str, tmp_path: Any
+) -> None:
+    """`FLEXLB_DECODE_SHARED_PREFIX` (default on): a session's next turn, decoding while the last
+    one still runs on the same worker, shares its prompt blocks there. The gateway reserves only
+    the blocks no hold on the worker names yet, and the engine (given the block keys) holds them
+    once, so the second request runs beside the first where counting the prompt twice refused it
+    (prompt + output > the KV left)."""
+    pool = workers_reset
+    dec = pool["decode"][0]
+    did = f"decode@{dec.address}"
+    n_prompt = len(SHARED_PROMPT)
+    # ~800 left beside the long request: < the prompt, > the prompt's unshared tail (less than one
+    # sharing chunk, `share_chunk_size`) + 200
+    cap = n_prompt + HOLD_NEW + 800
+    configured = worker_call(dec.address, "configure", kv_capacity_tokens=cap, time_scale=DECODE_TIME_SCALE)
+    assert configured.get("ok"), configured
+    spec = f"prefill@{pool['prefill'][0].address},{did}"
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
+    r = redis.Redis.from_url(shared_embedded_redis)
+    keys = Keys(cluster)
+    held = keys.reservations(did)
+
+    def gen(max_new: int, request_id: str | None = None) -> httpx.Response:
+        body: dict[str, Any] = {"prompt": SHARED_PROMPT, "max_new_tokens": max_new}
+        if request_id is not None:
+            body["request_id"] = request_id
+        return httpx.post(a.url + "/v1/generate", json=body, timeout=120)
+
+    long_id = f"long-{uuid.uuid4().hex[:8]}"
+    long_out: list[httpx.Response] = []
+    long_req = threading.Thread(target=lambda: long_out.append(gen(HOLD_NEW, long_id)), daemon=True)
+    try:
+        wait_for(lambda: a.readyz()["ready"], 60, what="ready")
+        wait_for(
+            lambda: _snapshot(a, did).get("kv_total_tokens") in (cap, str(cap)),
+            30,
+            what=f"the gateway to see the decode worker's {cap}-token KV",
+        )
+        bs = int(float(_snapshot(a, f"prefill@{pool['prefill'][0].address}").get("block_size") or 0))
+        assert 0 < share_chunk_size(bs) <= 600, bs  # the unshared tail + 200 fit in the ~800 left
+        long_req.start()
+        hold = int(wait_for(lambda: r.hget(held, long_id), 30, what="the long request's reservation"))
+        assert hold == n_prompt + HOLD_NEW, hold
+        assert int(r.hget(held, "_total") or 0) == hold
+        wait_for(lambda: long_id in _decoding(dec), 30, what="the long request decoding")
+
+        second = gen(200)  # prompt + 200 = ~3,200 > ~800 left unless the prompt's blocks are shared
+        assert second.status_code == 200, second.text
+        out = second.json()
+        assert out["decode_worker"] == did and out["usage"]["completion_tokens"] == 200, second.text
+        assert r.hget(held, long_id) is not None, "the long request ended before the check: box too slow?"
+        assert int(r.hget(held, "_total") or 0) == hold  # the second's hold released, the shared blocks kept
+        assert r.hget(keys.reservation_blocks(did), "@" + long_id) is not None
+
+        assert a.delete(f"/v1/requests/{long_id}").status_code == 202
+        long_req.join(60)
+        wait_for(lambda: not r.hexists(held, long_id), 30, what="the long request's hold released")
+        assert int(r.hget(held, "_total") or 0) == 0, r.hgetall(held)
+        assert r.hgetall(keys.reservation_blocks(did)) == {}
+    finally:
+        a.stop()
+        if long_req.is_alive():
+            long_req.join(30)
+        r.close()

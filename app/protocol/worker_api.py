@@ -51,6 +51,10 @@ D_KV_EPOCH: Final = "kv_epoch"  # BYTES [1] optional, that worker's epoch
 D_TEMPERATURE: Final = "temperature"  # FP64 [1]
 D_TOP_P: Final = "top_p"  # FP64 [1]
 D_SEED: Final = "seed"  # INT64 [1]
+# optional: the prompt's full-block keys (UINT64 [n]) of D_BLOCK_SIZE (INT32 [1]) tokens each: the
+# engine holds a block its running sequences share once (paged KV; FLEXLB_DECODE_SHARED_PREFIX)
+D_BLOCK_KEYS: Final = "block_keys"
+D_BLOCK_SIZE: Final = "block_size"
 
 # decode outputs
 D_EVENT: Final = "event"  # BYTES [1]: tokens | finish

@@ -28,6 +28,7 @@ class DecodeStage(RequestContext):
         pre_addr = (
             self.fleet.workers.get(p.prefill_worker, {}).get("address") or p.prefill_worker.split("@", 1)[1]
         )
+        chunk, chunks = self.decode_hold_blocks(req, p)  # the engine shares what the hold named
         stream = self.fleet.client(dec).decode(
             req.request_id,
             snap.get("epoch", ""),
@@ -36,6 +37,8 @@ class DecodeStage(RequestContext):
             kv_worker=pre_addr,
             kv_epoch=reply.get("epoch", ""),
             timeout=req.timeout_ms / 1000,
+            block_size=chunk,
+            block_keys=chunks,
         )
         try:
             async with contextlib.aclosing(stream):  # leaving early ends the RPC now

@@ -51,9 +51,7 @@ class Endings(RequestContext):
         rid = req.request_id
         cmds: list[list[Any]] = []
         if p.decode_worker and p.stage != "new":
-            cmds.append(
-                ["EVALSHA", self.store.sha("release"), 1, self.keys.reservations(p.decode_worker), rid]
-            )
+            cmds.append(self.store.release_cmd(p.decode_worker, rid))
         cmds.append(["SREM", self.keys.origin_requests(self.replica_id), rid])
         fields = {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
         cmds.append(self.store.transition_cmd(rid, state, fields, outcome=outcome))

@@ -19,7 +19,6 @@ from app.request.context import LocalOwner, RequestContext
 from app.request.routing_inputs import FreshPair
 from app.request.types import ENGINE_TO_API, TERMINAL, GenRequest, NotStarted, Progress, StoredOutcome
 from app.scheduling.routing import (
-    DecodeQuery,
     NoWorker,
 )
 from app.state.handoff import GROUP, pack_keys, pack_tokens
@@ -64,9 +63,7 @@ class HandoffStage(RequestContext):
         if dec:
             cap = int(float(self.fleet.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
             need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
-            cmds.append(
-                ["EVALSHA", self.store.sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap]
-            )
+            cmds.append(self.store.reserve_cmd(dec, rid, need, cap, *self.decode_hold_blocks(req, p)))
         res = await self._round_trip(cmds, req)  # refused by the tenant's limit: nothing written
         created = res[1]
         held = int(res[2]) if dec else -1
@@ -138,7 +135,7 @@ class HandoffStage(RequestContext):
             ],
         ]
         if dec:
-            cmds.append(["EVALSHA", sha("reserve"), 1, self.keys.reservations(dec), rid, need, cap])
+            cmds.append(self.store.reserve_cmd(dec, rid, need, cap, *self.decode_hold_blocks(req, p)))
         if pair is None:
             cmd: list[Any] = [
                 "EVALSHA",
@@ -321,14 +318,15 @@ class HandoffStage(RequestContext):
         for _ in range(tries):
             views = [v for v in self.views("decode") if v.id not in refused]
             try:
-                n = len(req.input_ids)
-                dq = DecodeQuery(n, need - n, n + req.max_new_tokens)
+                dq = self.decode_query(req, p, need)
                 dec = self.runtime.decode_strategy.choose(dq, views, self.rng)
             except NoWorker:
                 return False
             cap = int(float(self.fleet.snapshots.get(dec.worker_id, {}).get("kv_total_tokens", 0) or 0))
             M.DECODE_RESERVE_RETRIES.inc()
-            if await self.store.reserve(dec.worker_id, req.request_id, need, cap):
+            if await self.store.reserve(
+                dec.worker_id, req.request_id, need, cap, *self.decode_hold_blocks(req, p)
+            ):
                 p.decode_worker = dec.worker_id
                 # The record names where the hold is (the reconciler and the reaper release it
                 # from there); the first choice held nothing.

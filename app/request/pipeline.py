@@ -15,12 +15,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import numpy as np
 from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.gateway.errors import ApiError
-from app.protocol.blocks import block_keys
 from app.request.decode_stage import DecodeStage
 from app.request.endings import Endings
 from app.request.handoff_stage import HandoffStage
@@ -130,10 +128,7 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
         n_in = len(req.input_ids)
         # the decode KV is already reserved (in _record's round trip)
         try:
-            bs = self.block_size()
-            arr = np.asarray(req.input_ids, dtype="<i4")
-            p.packed = arr.tobytes()
-            keys = block_keys(arr, bs, model=self.settings.model, tokenizer=self.tokenizer.name)
+            bs, keys = self.prompt_keys(req, p)
             now_s = time.time()
             pviews = self.views("prefill", now_s)
             pchoice, pair = self.choose_prefill_pair(n_in, keys, bs, pviews, now_s)

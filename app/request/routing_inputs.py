@@ -9,8 +9,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from app import metrics as M
 from app.gateway.errors import ApiError
+from app.protocol.blocks import block_keys
 from app.request.context import RequestContext
 from app.request.types import GATEWAY_FLOOR_MS, GenRequest, Progress
 from app.scheduling.admission import decide as admission_decide
@@ -18,6 +21,7 @@ from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.plugins.registry import Candidates
 from app.scheduling.policy import Policy
+from app.scheduling.reserve import share_chunks
 from app.scheduling.routing import (
     Choice,
     DecodeQuery,
@@ -237,6 +241,30 @@ class RoutingInputs(RequestContext):
                 return int(float(bs))
         return 64
 
+    def prompt_keys(self, req: GenRequest, p: Progress) -> tuple[int, list[int]]:
+        """(block size, the prompt's full-block keys), hashed once per request: prefix routing
+        ranks prefill workers on them and the decode hold names them (`decode_hold_blocks`)."""
+        if not p.block_size:
+            bs = self.block_size()
+            arr = np.asarray(req.input_ids, dtype="<i4")
+            p.packed = arr.tobytes()
+            p.keys = block_keys(arr, bs, model=self.settings.model, tokenizer=self.tokenizer.name)
+            p.block_size = bs
+        return p.block_size, p.keys
+
+    def decode_hold_blocks(self, req: GenRequest, p: Progress) -> tuple[int, list[int]]:
+        """What the decode hold names for `FLEXLB_DECODE_SHARED_PREFIX` (`Store.reserve_cmd`):
+        a block another hold on the worker names is counted once, as the engine holds it."""
+        if not self.settings.decode_shared_prefix:
+            return 0, []
+        return share_chunks(*self.prompt_keys(req, p))
+
+    def decode_query(self, req: GenRequest, p: Progress, need: int) -> DecodeQuery:
+        """The decode placement of a hold of `need` tokens (prompt + reserved output)."""
+        n = len(req.input_ids)
+        bs, keys = self.decode_hold_blocks(req, p)
+        return DecodeQuery(n, need - n, n + req.max_new_tokens, bs * len(keys))
+
     def choose_decode(self, req: GenRequest, p: Progress) -> None:
         """Pure: the decode worker (DESIGN §3 step 5) is chosen before anything is written, so its
         KV reservation rides in the record's round trip. `max_tokens: 1` never touches decode."""
@@ -244,8 +272,7 @@ class RoutingInputs(RequestContext):
             return
         views = self.views("decode")
         try:
-            n = len(req.input_ids)
-            dq = DecodeQuery(n, self.out_est.reserve(req.max_new_tokens), n + req.max_new_tokens)
+            dq = self.decode_query(req, p, len(req.input_ids) + self.out_est.reserve(req.max_new_tokens))
             p.decode_worker = self.runtime.decode_strategy.choose(dq, views, self.rng).worker_id
         except NoWorker as exc:
             need = len(req.input_ids) + req.max_new_tokens

@@ -80,6 +80,8 @@ class Progress:
     queue_ms: float = 0.0
     handoffs: int = 0  # hand-offs made so far; each reply names the one it answers
     packed: bytes = b""  # the prompt as little-endian int32, converted once for keys and hand-off
+    block_size: int = 0  # of `keys`: 0 until the prompt's block keys are computed (once)
+    keys: list[int] = field(default_factory=list)  # the prompt's full-block keys (routing, decode holds)
 
 
 class StoredOutcome(Exception):

@@ -353,6 +353,8 @@ class WorkerClient:
         first_index: int = 1,
         timeout: float | None = None,
         sampling: Mapping[str, Any] | None = None,
+        block_size: int = 0,
+        block_keys: Sequence[int] = (),
     ) -> AsyncIterator[DecodeEvent]:
         inputs = [
             _inp(W.D_REQUEST_ID, _b([request_id]), "BYTES"),
@@ -365,6 +367,11 @@ class WorkerClient:
         ]
         if sampling:
             inputs.extend(_sampling_inputs([sampling], W.D_TEMPERATURE, W.D_TOP_P, W.D_SEED))
+        if block_size > 0 and len(block_keys):
+            # The engine holds a prompt block its running sequences share once (the decode hold
+            # counted it once too: app/state/scripts.py RESERVE).
+            inputs.append(_inp(W.D_BLOCK_KEYS, np.asarray(block_keys, dtype=np.uint64), "UINT64"))
+            inputs.append(_inp(W.D_BLOCK_SIZE, np.array([block_size], dtype=np.int32), "INT32"))
         finish: DecodeEvent | None = None
         async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
             # An event carries only its own tensors (docs/worker-protocol.md §5): absent = empty.

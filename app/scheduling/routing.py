@@ -112,14 +112,24 @@ class DecodeQuery:
     maximum, or a learned mean / percentile below it). `limit_tokens` is the most KV the request
     may ever hold (input + its own max_new_tokens; 0: the reservation): a worker whose whole KV is
     smaller refuses the sequence outright (the engine's TOO_LONG, after a wasted prefill), so it
-    is never eligible, however little is reserved."""
+    is never eligible, however little is reserved. `shareable_tokens` are the prompt's full-block
+    tokens a worker whose holds already name those blocks does not reserve again
+    (`FLEXLB_DECODE_SHARED_PREFIX`): the fit filter cannot see which worker holds which blocks, so
+    it lets through a worker whose headroom covers the rest, and the RESERVE script, which can,
+    decides (a refusal there is retried on the next workers)."""
 
     input_tokens: int
     max_new_tokens: int
     limit_tokens: int = 0
+    shareable_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.input_tokens < 0 or self.max_new_tokens < 0 or self.limit_tokens < 0:
+        if (
+            self.input_tokens < 0
+            or self.max_new_tokens < 0
+            or self.limit_tokens < 0
+            or self.shareable_tokens < 0
+        ):
             raise ValueError(
                 f"token counts must be >= 0, got input {self.input_tokens}, max_new {self.max_new_tokens}, "
                 f"limit {self.limit_tokens}"
@@ -319,7 +329,7 @@ def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list
         if 0 < w.kv_total_tokens < limit:
             continue  # could never hold the request at its own maximum, however little is reserved
         head = decode_headroom(w)
-        if head >= need:
+        if head >= need - q.shareable_tokens:
             out.append(w)
             heads.append(head)
     if not out:

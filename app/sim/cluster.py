@@ -60,13 +60,13 @@ from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
-from app.scheduling.reserve import OutputLengthEstimator
+from app.scheduling.reserve import OutputLengthEstimator, SharedBlockHolds, share_chunk_size, share_chunks
 from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery
 from app.sim.config import SimConfig
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
 from app.sim.polls import poll_owners
 from app.sim.replica import SimReplica
-from app.traces.model import Trace
+from app.traces.model import Trace, TraceRequest
 from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
 from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
 from workers.engine.prefill import PrefillEngine, PrefillRequest
@@ -147,6 +147,9 @@ class ClusterSim:
         self.queue_items = [0] * np_
         self.ledger: list[dict[str, list[float]]] = [{} for _ in range(np_)]  # bid → [pred, start, left]
         self.reserved = [0] * nd
+        # Decode-side prefix sharing (`SimConfig.decode_shared_prefix`): per decode worker, how
+        # many reservations name each full prompt block; a block is reserved once.
+        self.dheld = [SharedBlockHolds(share_chunk_size(self.bs)) for _ in range(nd)]
         self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
         self.mirror = CacheMirror(cfg.speculative_ttl_ms, holders_index=True)
         self.cache_version: list[int | None] = [None] * np_
@@ -284,7 +287,8 @@ class ClusterSim:
             st.decode = rep.peer_decode(PrefillQuery(size, {}, self.bs, keys))
         elif max_new > 1:
             # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
-            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new)
+            cbs, dkeys = share_chunks(self.bs, keys) if self.cfg.decode_shared_prefix else (0, [])
+            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new, cbs * len(dkeys))
             try:
                 d = rep.choose_decode(dq)
             except NoWorker:
@@ -293,7 +297,7 @@ class ClusterSim:
                 return
             need = size + dq.max_new_tokens
             refused: list[str] = []
-            while self.reserved[d] + need > self.deng[d].capacity:
+            while self.reserved[d] + need - self.dheld[d].held_tokens(dkeys) > self.deng[d].capacity:
                 # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
                 refused.append(self.dids[d])
                 others = [v for v in rep.dviews if v.id not in refused]
@@ -307,7 +311,8 @@ class ClusterSim:
                     self.rejections["decode_reserve_refused"] += 1
                     self._fail(i, "overloaded")
                     return
-            self.reserved[d] += need
+            self.reserved[d] += need - self.dheld[d].held_tokens(dkeys)
+            self.dheld[d].hold(rid, dkeys)
             self.d_dirty[d] = True
             st.decode = d
             st.reserved = need
@@ -375,6 +380,13 @@ class ClusterSim:
             drop_late=slo and adm.drop_late == "always",
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
+
+    def _share_chunks(self, tr: TraceRequest) -> tuple[tuple[int, ...], int]:
+        """The decode request's (block_keys, block_size): the chunks its hold named."""
+        if not self.cfg.decode_shared_prefix:
+            return (), 0
+        cbs, keys = share_chunks(self.bs, self.trace.full_block_keys(tr))
+        return tuple(keys), cbs
 
     def _publish_speculative(self, w: int, p: Pending) -> None:
         """`SimConfig.shared_speculative` (live: app/cache/shared_spec.py): the owner of worker ``w``
@@ -511,7 +523,18 @@ class ClusterSim:
         d = st.decode
         eng = self.deng[d]
         self._decode_effects(
-            d, eng.submit(DecodeRequest(r.request_id, tr.input_len, max_new - 1, 1, tr.input_len), self.now)
+            d,
+            eng.submit(
+                DecodeRequest(
+                    r.request_id,
+                    tr.input_len,
+                    max_new - 1,
+                    1,
+                    tr.input_len,
+                    *self._share_chunks(tr),
+                ),
+                self.now,
+            ),
         )
         self._resched_d(d)
         self.d_dirty[d] = True
@@ -538,7 +561,7 @@ class ClusterSim:
                 self.dids[st.decode], PrefillQuery(self.trace.requests[i].input_len, {}, self.bs)
             )
         if st.reserved and st.decode >= 0:
-            self.reserved[st.decode] -= st.reserved
+            self.reserved[st.decode] -= st.reserved - self.dheld[st.decode].drop(f"r{i}")
             self.d_dirty[st.decode] = True
             st.reserved = 0
 

@@ -88,6 +88,10 @@ class SimConfig:
     # and the decode engines' admission (reserve | expected: on use, with preemption).
     reserve_output_tokens: str = field(default_factory=lambda: _settings().reserve_output_tokens)
     decode_admission: str = "reserve"
+    # Decode workers hold a prompt block that several of their sequences share once, and the
+    # origin reserves it once per decode worker (vLLM's / SGLang's paged KV on the decode side;
+    # live `FLEXLB_DECODE_SHARED_PREFIX`, app/scheduling/reserve.py `SharedBlockHolds`).
+    decode_shared_prefix: bool = field(default_factory=lambda: _settings().decode_shared_prefix)
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:

@@ -106,6 +106,11 @@ class Keys:
         """HASH request id → reserved decode KV tokens; field `_total` keeps the sum."""
         return self.w(wid, "resv")
 
+    def reservation_blocks(self, wid: str) -> str:
+        """HASH block id → how many decode holds on `wid` name it; `@<request id>` → that hold's
+        "block_size id id ..." (the `reserve` / `release` scripts: a shared prompt block is held once)."""
+        return self.w(wid, "resvb")
+
     # ---- per replica -----------------------------------------------------------------------
     def r(self, replica_id: str, what: str) -> str:
         return f"{self.prefix}:{{r:{replica_id}}}:{what}"

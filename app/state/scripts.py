@@ -27,27 +27,61 @@ redis.call('SET', KEYS[1], ARGV[1])
 return {ARGV[1], 1}
 """
 
-# KEYS[1] reservations HASH; ARGV: request_id, tokens, capacity → 1 held now, 2 already held, 0 refused.
+# KEYS[1] reservations HASH, KEYS[2] its shared-blocks HASH; ARGV: request_id, tokens, capacity,
+# and optionally block_size, block ids... → 1 held now, 2 already held, 0 refused.
 # Idempotent: a request that already holds a reservation keeps its original amount (2 tells the
 # caller the hold is not its own, so a refused duplicate never releases the original's hold). `_total` is
 # the running sum, so a reader needs one HGET. Numbers go back to Redis as integer text, never as a
 # Lua number: Lua would send 0 negated as "-0", which HINCRBY rejects.
+# Block ids (the prompt's full blocks, app/scheduling/reserve.py `SharedBlockHolds`): a block some
+# hold on this worker already names is not counted again (the decode engine holds it once), so
+# `_total` = the holds' private tokens + block_size x the distinct blocks. KEYS[2] counts the holds
+# naming each block and keeps each hold's list under `@<request id>` for its release. Ids stay
+# strings: a 64-bit id does not survive a Lua number.
 RESERVE = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 2 end
-local t = tonumber(ARGV[2])
+local bs = tonumber(ARGV[4] or '0')
+if not KEYS[2] then bs = 0 end
+local held = 0
+if bs > 0 then
+  for i = 5, #ARGV do
+    if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then held = held + 1 end
+  end
+end
+local t = tonumber(ARGV[2]) - held * bs
 local total = tonumber(redis.call('HGET', KEYS[1], '_total') or '0')
 if total + t > tonumber(ARGV[3]) then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HINCRBY', KEYS[1], '_total', ARGV[2])
+redis.call('HINCRBY', KEYS[1], '_total', string.format('%d', t))
+if bs > 0 and #ARGV >= 5 then
+  for i = 5, #ARGV do redis.call('HINCRBY', KEYS[2], ARGV[i], 1) end
+  redis.call('HSET', KEYS[2], '@' .. ARGV[1], ARGV[4] .. ' ' .. table.concat(ARGV, ' ', 5))
+end
 return 1
 """
 
-# KEYS[1] reservations HASH; ARGV[1] request_id → 1 released now, 0 nothing held (already released).
+# KEYS[1] reservations HASH, KEYS[2] its shared-blocks HASH; ARGV[1] request_id → 1 released now,
+# 0 nothing held (already released). Frees the hold's tokens less its blocks another hold still names.
 RELEASE = """
 local t = redis.call('HGET', KEYS[1], ARGV[1])
 if not t then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
-local total = redis.call('HINCRBY', KEYS[1], '_total', string.format('%d', -tonumber(t)))
+local freed = tonumber(t)
+local list = KEYS[2] and redis.call('HGET', KEYS[2], '@' .. ARGV[1])
+if list then
+  redis.call('HDEL', KEYS[2], '@' .. ARGV[1])
+  local bs = nil
+  for k in string.gmatch(list, '%S+') do
+    if bs == nil then
+      bs = tonumber(k)
+    elseif redis.call('HINCRBY', KEYS[2], k, -1) <= 0 then
+      redis.call('HDEL', KEYS[2], k)
+    else
+      freed = freed - bs
+    end
+  end
+end
+local total = redis.call('HINCRBY', KEYS[1], '_total', string.format('%d', -freed))
 if total <= 0 then redis.call('HDEL', KEYS[1], '_total') end
 return 1
 """

@@ -196,20 +196,64 @@ class StateStore:
         return _s(res[0]), int(res[1]) == 1
 
     # ---- decode reservations ----------------------------------------------------------------
-    async def reserve(self, wid: str, request_id: str, tokens: int, capacity_tokens: int) -> bool:
-        """Hold `tokens` of decode KV on `wid` for `request_id`, if the total stays ≤ `capacity_tokens`.
+    def reserve_cmd(
+        self,
+        wid: str,
+        request_id: str,
+        tokens: int,
+        capacity_tokens: int,
+        block_size: int = 0,
+        blocks: Sequence[int] = (),
+    ) -> list[Any]:
+        """The `reserve` command for a pipeline (`reserve` below says what it does). With
+        `block_size` and the prompt's full-block ids, a block another hold on `wid` names is not
+        counted again: the decode engine holds a shared prompt block once."""
+        if request_id == _TOTAL_FIELD:
+            raise ValueError("request id '_total' is reserved")
+        if tokens < 0 or tokens < block_size * len(blocks):
+            raise ValueError("tokens must be ≥ 0 and cover the prompt's full blocks")
+        extra: list[Any] = [int(block_size), *(str(b) for b in blocks)] if block_size > 0 and blocks else []
+        return [
+            "EVALSHA",
+            self.sha("reserve"),
+            2,
+            self.keys.reservations(wid),
+            self.keys.reservation_blocks(wid),
+            request_id,
+            int(tokens),
+            int(capacity_tokens),
+            *extra,
+        ]
+
+    def release_cmd(self, wid: str, request_id: str) -> list[Any]:
+        """The `release` command for a pipeline."""
+        return [
+            "EVALSHA",
+            self.sha("release"),
+            2,
+            self.keys.reservations(wid),
+            self.keys.reservation_blocks(wid),
+            request_id,
+        ]
+
+    async def reserve(
+        self,
+        wid: str,
+        request_id: str,
+        tokens: int,
+        capacity_tokens: int,
+        block_size: int = 0,
+        blocks: Sequence[int] = (),
+    ) -> bool:
+        """Hold `tokens` of decode KV on `wid` for `request_id`, if the total stays ≤ `capacity_tokens`
+        (a prompt block another hold on `wid` names counted once: `reserve_cmd`).
 
         The call is idempotent. If the request already holds a reservation, it returns True and
         keeps the original amount. A request id must not be reused after its release: a reserve
         after the release holds again.
         """
-        if request_id == _TOTAL_FIELD:
-            raise ValueError("request id '_total' is reserved")
-        if tokens < 0:
-            raise ValueError("tokens must be ≥ 0")
-        res = await self.run_script(
-            "reserve", [self.keys.reservations(wid)], [request_id, int(tokens), int(capacity_tokens)]
-        )
+        cmd = self.reserve_cmd(wid, request_id, tokens, capacity_tokens, block_size, blocks)
+        res = await self.run_script("reserve", cmd[3:5], cmd[5:])
         return int(res) in (1, 2)
 
     async def release(self, wid: str, request_id: str) -> bool:
@@ -217,7 +261,8 @@ class StateStore:
 
         A rollback of a failed hand-off is the same call.
         """
-        return int(await self.run_script("release", [self.keys.reservations(wid)], [request_id])) == 1
+        cmd = self.release_cmd(wid, request_id)
+        return int(await self.run_script("release", cmd[3:5], cmd[5:])) == 1
 
     async def reserved_total(self, wid: str) -> int:
         self.commands_total += 1

@@ -33,6 +33,11 @@ class DecodeRequest:
     max_new_tokens: int  # tokens this engine generates
     first_index: int = 1  # index of the first generated token in the request's output stream
     kv_tokens: int = 0  # tokens fetched from prefill (defaults to input_tokens)
+    # Ids of the prompt's full KV blocks of `block_size` tokens (chained: an id names its whole
+    # prefix). Running sequences on this engine share a block they both name, as vLLM's and
+    # SGLang's paged KV do on the decode side: it is held once. Empty: nothing shared.
+    block_keys: tuple[int, ...] = ()
+    block_size: int = 0
 
 
 @dataclass(slots=True)
@@ -81,6 +86,10 @@ class DecodeEngine:
         self._waiting: deque[str] = deque()
         self._running: list[str] = []
         self._used = 0
+        # Shared prompt blocks of the running sequences: block id -> how many hold it. `_used`
+        # (reserve) and `_usage` (expected) count each once.
+        self._blocks: dict[int, int] = {}
+        self._shared_tokens = 0  # tokens the running sequences' block ids name more than once
         self._seg_start = 0.0
         self._step_ms = 0.0
         self._seg_end = float("inf")
@@ -99,6 +108,13 @@ class DecodeEngine:
         err = ""
         if req.max_new_tokens <= 0 or req.input_tokens <= 0:
             err, code = "input_tokens and max_new_tokens must be > 0", EngineStatus.INVALID
+        elif req.block_keys and (
+            req.block_size <= 0 or req.block_size * len(req.block_keys) > req.input_tokens
+        ):
+            err, code = (
+                "block_keys must be full blocks of block_size > 0 within the prompt",
+                EngineStatus.INVALID,
+            )
         elif need > min(self.capacity, self.profile.max_context_tokens):
             err, code = f"{need} tokens exceed capacity", EngineStatus.TOO_LONG
         elif req.request_id in self._seqs:
@@ -125,7 +141,7 @@ class DecodeEngine:
             gen = self._gen_at(s, self.now)
             effects.extend(self._emit(s, gen))
             self._running.remove(request_id)
-            self._used -= self._held(s)
+            self._used -= self._held(s) - self._unshare(s)
             if self._running:
                 self._mark_dirty()
             else:
@@ -302,7 +318,7 @@ class DecodeEngine:
         for rid in finished:
             s = self._seqs.pop(rid)
             self._running.remove(rid)
-            self._used -= self._held(s)
+            self._used -= self._held(s) - self._unshare(s)
             effects.append(DecodeFinished(rid, FINISH_LENGTH, s.emitted, t))
         self._seg_start = t
         self._dirty = False
@@ -318,10 +334,43 @@ class DecodeEngine:
         return s.need_kv if self.admission == "reserve" else 0
 
     def _usage(self, t: float) -> int:
-        """KV the running sequences hold at `t`: prompt + tokens generated so far."""
-        return sum(
-            self._seqs[r].req.input_tokens + max(0, self._gen_at(self._seqs[r], t)) for r in self._running
+        """KV the running sequences hold at `t`: prompt + tokens generated so far, shared prompt
+        blocks once."""
+        return (
+            sum(
+                self._seqs[r].req.input_tokens + max(0, self._gen_at(self._seqs[r], t)) for r in self._running
+            )
+            - self._shared_tokens
         )
+
+    def _new_blocks(self, s: _Seq) -> int:
+        """Tokens of `s`'s prompt blocks no running sequence holds yet."""
+        return s.req.block_size * sum(1 for k in s.req.block_keys if k not in self._blocks)
+
+    def _share(self, s: _Seq) -> int:
+        """`s` runs: count its prompt blocks; returns the tokens it finds already held."""
+        found = 0
+        for k in s.req.block_keys:
+            n = self._blocks.get(k, 0)
+            found += n > 0
+            self._blocks[k] = n + 1
+        tokens = found * s.req.block_size
+        self._shared_tokens += tokens
+        return tokens
+
+    def _unshare(self, s: _Seq) -> int:
+        """`s` stops running: returns the tokens of its blocks another running sequence still holds."""
+        kept = 0
+        for k in s.req.block_keys:
+            n = self._blocks[k] - 1
+            if n:
+                self._blocks[k] = n
+                kept += 1
+            else:
+                del self._blocks[k]
+        tokens = kept * s.req.block_size
+        self._shared_tokens -= tokens
+        return tokens if self.admission == "reserve" else 0
 
     def _preempt_for_growth(self) -> None:
         """At a segment start: while the next step's tokens would not fit, preempt the most
@@ -331,6 +380,7 @@ class DecodeEngine:
         while len(self._running) > 1 and self._usage(self._seg_start) + len(self._running) > self.capacity:
             rid = self._running.pop()
             s = self._seqs[rid]
+            self._unshare(s)
             s.resume = max(0, s.gen_base)
             s.phase = "fetching"
             self.preemptions += 1
@@ -347,14 +397,16 @@ class DecodeEngine:
         while self._waiting and len(self._running) < self.max_running:
             s = self._seqs[self._waiting[0]]
             # expected: what it holds now plus one step's growth of every running sequence and its own
-            need = s.req.input_tokens + s.resume + len(self._running) + 1 if expected else s.need_kv
+            held = s.req.block_size * len(s.req.block_keys) - self._new_blocks(s)  # shared, not charged
+            need = (s.req.input_tokens + s.resume + len(self._running) + 1 if expected else s.need_kv) - held
             if used + need > self.capacity:
                 break  # waits (does not fail) until running sequences free KV
             self._waiting.popleft()
+            self._share(s)
             if expected:
-                used += s.req.input_tokens + s.resume
+                used += s.req.input_tokens + s.resume - held
             else:
-                self._used += s.need_kv
+                self._used += s.need_kv - held
                 used = self._used
             s.phase = "running"
             admitted = True

@@ -104,6 +104,10 @@ class DecodeModel(StreamBase):
             as_int(get(req, W.D_INPUT_TOKENS)),
             as_int(get(req, W.D_MAX_NEW_TOKENS)),
             first_index=as_int(get(req, W.D_FIRST_INDEX), 1),
+            block_keys=tuple(int(k) for k in keys.reshape(-1))
+            if (keys := get(req, W.D_BLOCK_KEYS)) is not None
+            else (),
+            block_size=as_int(get(req, W.D_BLOCK_SIZE)),
         )
         kv_worker = as_str(get(req, W.D_KV_WORKER))
         kv_epoch = as_str(get(req, W.D_KV_EPOCH))

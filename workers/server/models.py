@@ -53,6 +53,8 @@ DECODE_INPUTS = [
     _t(W.D_TEMPERATURE, np.float64, optional=True),
     _t(W.D_TOP_P, np.float64, optional=True),
     _t(W.D_SEED, np.int64, optional=True),
+    _t(W.D_BLOCK_KEYS, np.uint64, optional=True),
+    _t(W.D_BLOCK_SIZE, np.int32, optional=True),
 ]
 DECODE_OUTPUTS = [
     _t(W.D_EVENT, BYTES),
