@@ -29,8 +29,10 @@ class WorkerViews:
         registry: Registry,
         mirror: CacheMirror,
         worker_secret: str = "",
+        grpc_mux: bool = True,
     ) -> None:
         self._worker_secret = worker_secret  # the workers' control secret (FLEXLB_WORKER_SECRET)
+        self._grpc_mux = grpc_mux  # FLEXLB_GRPC_MUX: shared streams for control and prefill calls
         self._redis = redis
         self._keys = keys
         self._registry = registry
@@ -58,7 +60,7 @@ class WorkerViews:
         c = self.clients.get(wid)
         if c is None:
             addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret)
+            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret, mux=self._grpc_mux)
         return c
 
     async def load_registry(self) -> None:
