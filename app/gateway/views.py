@@ -5,6 +5,7 @@ by the replica's refresh loop; also the gRPC clients to the workers, one per wor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -92,6 +93,9 @@ class WorkerViews:
             M.export_worker_snapshot(wid, snap, self._mirror.size(wid))
 
     async def close(self) -> None:
-        for c in self.clients.values():
+        async def close_one(c: WorkerClient) -> None:
             with contextlib.suppress(*TRANSIENT):
                 await c.close()
+
+        # together: each may wait a moment for its worker to end its shared streams
+        await asyncio.gather(*(close_one(c) for c in self.clients.values()))

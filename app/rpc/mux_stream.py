@@ -65,7 +65,7 @@ class _Stream:
         self.call = stub.ModelStreamInfer()
         self.waiting: dict[str, asyncio.Queue[Any]] = {}
         self.open = True  # takes new calls
-        self.broken = ""  # why the stream ended under its calls, once it did
+        self.broken = ""  # why the stream ended (under its calls or not), once it did
         loop = asyncio.get_running_loop()
         self.opened = self.last_used = loop.time()
         self.timers: list[asyncio.TimerHandle] = []
@@ -203,14 +203,12 @@ class StreamMux:
             s.waiting.pop(rid, None)
             s.last_used = loop.time()
 
-    async def close(self, grace: float = 1.0) -> None:
-        """Half-close every stream and give the server `grace` seconds to end them (the channel's
-        close then cancels what is left)."""
+    def close(self) -> list[asyncio.Task[None]]:
+        """Half-close every stream; returns their readers, which end when the server ends them
+        (the caller bounds the wait; the channel's close cancels what is left)."""
         if self._current is not None:
             self._current.retire()
-        readers = [s.reader for s in self._draining]
-        if readers:
-            await asyncio.wait(readers, timeout=grace)
+        return [s.reader for s in self._draining]
 
 
 def _short(exc: Any) -> str:

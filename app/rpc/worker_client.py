@@ -200,8 +200,11 @@ class WorkerClient:
         )
 
     async def close(self) -> None:
-        for m in self._mux.values():
-            await m.close()
+        """Half-close the shared streams and give the worker 0.5 s to end them: a cancel as a
+        stream completes is the race in which tritonserver crashed (see `control`)."""
+        readers = [r for m in self._mux.values() for r in m.close()]
+        if readers:
+            await asyncio.wait(readers, timeout=0.5)
         await self._channel.close()
 
     def _call(
