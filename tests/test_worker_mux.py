@@ -26,7 +26,14 @@ def opened(c: WorkerClient, model: str) -> int:
     return c._mux[model].opened
 
 
-async def test_interleaved_prefill_and_control_calls_get_their_own_answers(clients) -> None:
+@pytest.fixture
+def one_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every call shares one stream per model (by default a stream takes a second call in flight
+    only when `POOL` streams are open): what these tests check is the sharing."""
+    monkeypatch.setattr(mux_stream, "POOL", 1)
+
+
+async def test_interleaved_prefill_and_control_calls_get_their_own_answers(clients, one_stream) -> None:
     p = clients["prefill"][0]
     assert p._mux, "the pool's clients multiplex by default"
     await p.configure(formula="5")  # 5 modelled ms per batch: many batches queue at once
@@ -55,7 +62,7 @@ async def test_interleaved_prefill_and_control_calls_get_their_own_answers(clien
     assert opened(p, W.PREFILL_MODEL) - before <= 1 + int(10 / mux_stream.MAX_AGE_S)
 
 
-async def test_error_response_ends_only_its_call(clients) -> None:
+async def test_error_response_ends_only_its_call(clients, one_stream) -> None:
     p = clients["prefill"][0]
     await p.configure(formula="300")  # a batch in flight on the same stream meanwhile
     epoch = (await p.status())["epoch"]
@@ -80,7 +87,7 @@ async def test_error_response_ends_only_its_call(clients) -> None:
 
 
 async def test_a_cancelled_caller_leaves_the_stream_usable_and_explicit_cancel_still_works(
-    clients,
+    clients, one_stream
 ) -> None:
     p = clients["prefill"][0]
     await p.configure(formula="400")
@@ -112,24 +119,37 @@ async def test_a_cancelled_caller_leaves_the_stream_usable_and_explicit_cancel_s
     assert opened(p, W.PREFILL_MODEL) == streams  # the cancelled caller did not break the stream
 
 
+async def test_streams_are_reused_and_a_few_more_opened_under_concurrency(clients) -> None:
+    c = WorkerClient(clients["prefill"][0].address, mux=True)
+    try:
+        for _ in range(10):  # one after the other: one stream (a rotation at most)
+            await c.describe()
+        assert opened(c, W.CONTROL_MODEL) <= 2
+        before = opened(c, W.CONTROL_MODEL)
+        answers = await asyncio.gather(*(c.describe() for _ in range(5 * mux_stream.POOL)))
+        assert len({a["epoch"] for a in answers}) == 1
+        assert 2 <= opened(c, W.CONTROL_MODEL) - before <= mux_stream.POOL + 1
+        assert len(c._mux[W.CONTROL_MODEL]._open) <= mux_stream.POOL
+    finally:
+        await c.close()
+
+
 async def test_rotation_at_max_age_and_idle_close_keep_calls_working(clients, monkeypatch) -> None:
     monkeypatch.setattr(mux_stream, "MAX_AGE_S", 0.3)
     c = WorkerClient(clients["prefill"][0].address, mux=True)
     try:
         epoch = (await c.status())["epoch"]
         t_end = time.monotonic() + 1.5
-        n = 0
+        width = mux_stream.SHARE + 2  # two streams at a time
         while time.monotonic() < t_end:  # calls overlap every rotation
-            await asyncio.gather(*(c.describe() for _ in range(4)))
-            n += 4
-        assert opened(c, W.CONTROL_MODEL) >= 4, "streams rotate at their maximum age"
+            await asyncio.gather(*(c.describe() for _ in range(width)))
         mux = c._mux[W.CONTROL_MODEL]
-        assert len(mux._draining) <= 2  # retired streams ended once their calls did
-        # idle: the stream is half-closed and the worker ends it
-        s = mux._current
-        assert s is not None
-        await asyncio.wait_for(s.reader, mux_stream.IDLE_S + 2)
-        assert not s.open and s.broken == "stream ended" and not mux._draining
+        assert mux.opened >= 2 * 3, "streams rotate at their maximum age"
+        assert len(mux._live) <= 2 * 2  # retired streams ended once their calls did
+        # idle: the streams are half-closed and the worker ends them
+        streams = list(mux._live)
+        await asyncio.wait_for(asyncio.gather(*(s.reader for s in streams)), mux_stream.IDLE_S + 2)
+        assert all(not s.open and s.broken == "stream ended" for s in streams) and not mux._live
         assert (await c.describe())["epoch"] == epoch  # and the next call opens a fresh one
     finally:
         await c.close()
@@ -206,7 +226,7 @@ def test_a_killed_worker_fails_calls_in_flight_then_the_client_reconnects_and_si
 
             pt = asyncio.create_task(poller())
             await asyncio.sleep(1.0)
-            assert polls and c._mux[W.CONTROL_MODEL]._current is not None
+            assert polls and c._mux[W.CONTROL_MODEL]._open
             t0 = time.monotonic()
             w2.proc.send_signal(signal.SIGTERM)
             rc = await asyncio.to_thread(w2.proc.wait, mux_stream.MAX_AGE_S + 15)

@@ -1,9 +1,11 @@
 """Many calls on one long-lived, multiplexed `ModelStreamInfer` stream (issue #20).
 
 A stream per call costs each call an HTTP/2 stream's set-up and tear-down on both sides: ~2 ms of
-latency and ~0.8 ms of the client's CPU (`bench/_wb_mux_probe.py`). Here one stream per model
-carries many calls, each request with an id of its own; the reader routes every response to its
-call by `infer_response.id`. Only short answers are multiplexed (`control`, `prefill`): decode
+latency and ~0.8 ms of the client's CPU (`bench/_wb_mux_probe.py`). Here a few long-lived
+streams per model carry every call, each request with an id of its own, and a stream's reader
+routes every response to its call by `infer_response.id`: one stream while calls come one after
+the other (an owner's polls), another only when each open one has `SHARE` calls in flight, `POOL`
+at most (see `StreamMux._stream`). Only short answers are multiplexed (`control`, `prefill`): decode
 keeps a stream per call, because one HTTP/2 stream has one flow-control window and tritonserver
 writes a stream's responses one at a time, so token streams would queue behind each other.
 
@@ -39,6 +41,8 @@ from tritonclient.grpc import service_pb2
 
 MAX_AGE_S = 2.0  # a stream takes new calls this long at most: bounds a worker's stop under polling
 IDLE_S = 0.5  # a stream with no call this long is half-closed
+SHARE = 4  # calls in flight on every open stream before another is opened
+POOL = 8  # open streams per model at most; beyond, calls share the least busy
 _FINAL = "triton_final_response"
 _ASK_FINAL = "triton_enable_empty_final_response"
 
@@ -137,22 +141,37 @@ class StreamMux:
     def __init__(self, stub: Any, address: str, model: str) -> None:
         self._stub = stub
         self._label = f"{address} {model}"
-        self._current: _Stream | None = None
-        self._draining: set[_Stream] = set()
+        self._open: list[_Stream] = []  # taking new calls
+        self._live: set[_Stream] = set()  # not ended yet (open or draining)
         self._ids = itertools.count()
         self.opened = 0  # streams opened so far (tests, diagnostics)
 
     def _stream(self) -> _Stream:
-        s = self._current
-        if s is None or not s.open:
-            s = self._current = _Stream(self._stub, self._label)
+        """The open stream with the fewest calls in flight; a new one when each has `SHARE` or
+        more and fewer than `POOL` are open. grpc.aio keeps one receive (and one send) pending per
+        stream, each completed by a turn of the event loop, so calls that all share one stream
+        get their responses one loop turn apart: under load (32 clients through a gateway) that
+        cost more throughput than the set-ups it saved (gateway bench: 32 clients, one stream
+        ~93 req/s vs ~119 with a stream per call; 4 a stream, 8 at most, ~124). Streams are still
+        reused call after call, which is where the saving is."""
+        best: _Stream | None = None
+        still = []
+        for s in self._open:
+            if s.open:
+                still.append(s)
+                if best is None or len(s.waiting) < len(best.waiting):
+                    best = s
+        self._open = still
+        if best is None or (len(best.waiting) >= SHARE and len(still) < POOL):
+            best = _Stream(self._stub, self._label)
             self.opened += 1
-            self._draining.add(s)
-            s.reader.add_done_callback(lambda _t, s=s: self._draining.discard(s))
+            self._open.append(best)
+            self._live.add(best)
+            best.reader.add_done_callback(lambda _t, s=best: self._live.discard(s))
             loop = asyncio.get_running_loop()
-            s.timers.append(loop.call_later(MAX_AGE_S, s.retire))
-            s.timers.append(loop.call_later(IDLE_S, self._idle, s))
-        return s
+            best.timers.append(loop.call_later(MAX_AGE_S, best.retire))
+            best.timers.append(loop.call_later(IDLE_S, self._idle, best))
+        return best
 
     def _idle(self, s: _Stream) -> None:
         if not s.open:
@@ -206,9 +225,10 @@ class StreamMux:
     def close(self) -> list[asyncio.Task[None]]:
         """Half-close every stream; returns their readers, which end when the server ends them
         (the caller bounds the wait; the channel's close cancels what is left)."""
-        if self._current is not None:
-            self._current.retire()
-        return [s.reader for s in self._draining]
+        for s in self._open:
+            s.retire()
+        self._open = []
+        return [s.reader for s in self._live]
 
 
 def _short(exc: Any) -> str:
