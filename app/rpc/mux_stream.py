@@ -64,14 +64,12 @@ class _Stream:
     """One `ModelStreamInfer` call: a writer task sends the requests queued by callers, a reader
     task routes responses to the waiting calls' queues."""
 
-    def __init__(self, stub: Any, label: str) -> None:
-        self.label = label
+    def __init__(self, stub: Any) -> None:
         self.call = stub.ModelStreamInfer()
         self.waiting: dict[str, asyncio.Queue[Any]] = {}
         self.open = True  # takes new calls
         self.broken = ""  # why the stream ended (under its calls or not), once it did
-        loop = asyncio.get_running_loop()
-        self.opened = self.last_used = loop.time()
+        self.last_used = asyncio.get_running_loop().time()
         self.timers: list[asyncio.TimerHandle] = []
         self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
         self.reader = asyncio.create_task(self._read())
@@ -136,7 +134,8 @@ class _Stream:
 
 
 class StreamMux:
-    """The multiplexed stream of one model of one worker, opened on demand and rotated."""
+    """The shared streams of one model of one worker, opened on demand, renewed at `MAX_AGE_S`
+    and half-closed when idle."""
 
     def __init__(self, stub: Any, address: str, model: str) -> None:
         self._stub = stub
@@ -151,8 +150,9 @@ class StreamMux:
         more and fewer than `POOL` are open. grpc.aio keeps one receive (and one send) pending per
         stream, each completed by a turn of the event loop, so calls that all share one stream
         get their responses one loop turn apart: under load (32 clients through a gateway) that
-        cost more throughput than the set-ups it saved (gateway bench: 32 clients, one stream
-        ~93 req/s vs ~119 with a stream per call; 4 a stream, 8 at most, ~124). Streams are still
+        cost more throughput than the set-ups it saved (bench/router_overhead.py, 32 clients,
+        medians of 3 runs at load 4-6: one stream ~93 req/s, a stream per call ~119, up to 4 calls
+        a stream and 8 streams ~124). Streams are still
         reused call after call, which is where the saving is."""
         best: _Stream | None = None
         still = []
@@ -163,7 +163,7 @@ class StreamMux:
                     best = s
         self._open = still
         if best is None or (len(best.waiting) >= SHARE and len(still) < POOL):
-            best = _Stream(self._stub, self._label)
+            best = _Stream(self._stub)
             self.opened += 1
             self._open.append(best)
             self._live.add(best)
