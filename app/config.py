@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     worker_secret: str | None = Field(
         None, description="the workers' shared secret (their --secret): sent with every control call"
     )
+    grpc_mux: bool = Field(
+        True,
+        description="control and prefill calls to a worker share one long-lived gRPC stream per model "
+        "(off: a stream per call); decode always has a stream per call",
+    )
     heartbeat_ms: int = Field(1000, description="membership heartbeat interval")
     member_ttl_ms: int = Field(3000, description="membership TTL: a replica silent this long is dead")
     lease_ttl_ms: int = Field(3000, description="master and owner lease TTL")

@@ -1,15 +1,18 @@
 """Probe (#20): one long-lived, multiplexed ModelStreamInfer stream vs a stream per call.
 
-Not the product's client: `WorkerClient` opens a stream per call (app/rpc/worker_client.py). This
-starts one zero-time prefill worker, keeps one bidirectional stream open to its `prefill` model,
-sends every request on it with `triton_enable_empty_final_response` (so the final flag, which our
-workers put on the last real response, ends each request; workers/server/stream_end.py) and routes
-responses by request id; the other arm is the product's stream per call. The arms alternate on the
-same worker; then CPU per call (this process and the worker's three) in alternating blocks.
+The prototype of what `WorkerClient` now does for control and prefill calls (app/rpc/mux_stream.py,
+FLEXLB_GRPC_MUX), kept as the measurement that motivated it. This starts one zero-time prefill
+worker, keeps one bidirectional stream open to its `prefill` model, sends every request on it with
+`triton_enable_empty_final_response` (so the final flag, which our workers put on the last real
+response, ends each request; workers/server/stream_end.py) and routes responses by request id; the
+other arm is `WorkerClient._stream`, a stream per call (still the decode path and the
+FLEXLB_GRPC_MUX=off path). The arms alternate on the same worker; then CPU per call (this process
+and the worker's three) in alternating blocks.
 
 Found with it (2026-12-01): the stream stays open while idle, and tritonserver's shutdown waits for
 open streams: the worker ignored SIGTERM for 30 s (killed by the harness), so a product version
-needs the client to close idle streams (or the worker to end them) before it can land.
+needs the client to close idle streams (or the worker to end them) before it can land. The product
+retires its streams at 2 s of age and 0.5 s idle (tests/test_worker_mux.py bounds the stop).
 
     .venv/bin/python bench/_wb_mux_probe.py [N] [BATCH] [TOKENS]
 """

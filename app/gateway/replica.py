@@ -105,7 +105,12 @@ class Replica:
             settings.speculative_ttl_ms, speculative_max_entries=settings.speculative_max_entries
         )
         self.views = WorkerViews(
-            self.redis, self.keys, self.registry, self.mirror, worker_secret=settings.worker_secret or ""
+            self.redis,
+            self.keys,
+            self.registry,
+            self.mirror,
+            worker_secret=settings.worker_secret or "",
+            grpc_mux=settings.grpc_mux,
         )
         self.runtime = RuntimeConfig(settings, self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.tokenizer)

@@ -5,6 +5,7 @@ by the replica's refresh loop; also the gRPC clients to the workers, one per wor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -29,8 +30,10 @@ class WorkerViews:
         registry: Registry,
         mirror: CacheMirror,
         worker_secret: str = "",
+        grpc_mux: bool = True,
     ) -> None:
         self._worker_secret = worker_secret  # the workers' control secret (FLEXLB_WORKER_SECRET)
+        self._grpc_mux = grpc_mux  # FLEXLB_GRPC_MUX: shared streams for control and prefill calls
         self._redis = redis
         self._keys = keys
         self._registry = registry
@@ -58,7 +61,7 @@ class WorkerViews:
         c = self.clients.get(wid)
         if c is None:
             addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret)
+            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret, mux=self._grpc_mux)
         return c
 
     async def load_registry(self) -> None:
@@ -90,6 +93,9 @@ class WorkerViews:
             M.export_worker_snapshot(wid, snap, self._mirror.size(wid))
 
     async def close(self) -> None:
-        for c in self.clients.values():
+        async def close_one(c: WorkerClient) -> None:
             with contextlib.suppress(*TRANSIENT):
                 await c.close()
+
+        # together: each may wait a moment for its worker to end its shared streams
+        await asyncio.gather(*(close_one(c) for c in self.clients.values()))

@@ -1,9 +1,11 @@
 """Async client for one worker's models over Triton's KServe v2 gRPC streaming API.
 
 One long-lived channel per worker per process. Every model is decoupled, so every call is a
-stream; closing a stream does not cancel it on the server (neither tritonclient nor PyTriton
-checks), so an abandoned call is cancelled explicitly here, and engine work is cancelled with
-`control.cancel` by the caller who owns it.
+stream: control and prefill calls share one long-lived stream per model (app/rpc/mux_stream.py),
+decode calls have one each. Closing a stream does not cancel its work on the server (neither
+tritonclient nor PyTriton checks): an abandoned per-call stream is cancelled here, an abandoned
+call on a shared stream stops listening, and engine work is cancelled with `control.cancel` by the
+caller who owns it.
 
 Calls go straight to the KServe stub (`ModelStreamInfer`) with the request written from the
 calling coroutine, not through tritonclient's `stream_infer`, which builds `InferInput` objects
@@ -26,11 +28,8 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, 
 
 from app.protocol import worker_api as W
 from app.protocol.blocks import block_keys, namespace_seed
+from app.rpc.mux_stream import StreamMux, WorkerUnavailable
 from app.state.text import to_str as _s
-
-
-class WorkerUnavailable(ConnectionError):
-    """The worker did not answer (connection refused, deadline, stream broken)."""
 
 
 @dataclass
@@ -175,7 +174,9 @@ def _b(values: Sequence[str]) -> np.ndarray:
 
 
 class WorkerClient:
-    def __init__(self, address: str, secret: str = "", block_keys: bool = True) -> None:
+    def __init__(
+        self, address: str, secret: str = "", block_keys: bool = True, mux: bool | None = None
+    ) -> None:
         self.address = address
         # False: always send token ids (a bench's baseline; docs/worker-protocol.md §4.1)
         self.block_keys = block_keys
@@ -188,9 +189,32 @@ class WorkerClient:
         # (docs/worker-protocol.md §4.1), None when it needs the ids. One entry: the current epoch.
         self._inputs: dict[str, KeySpace | None] = {}
         self._describing = asyncio.Lock()
+        # Control and prefill calls share one long-lived stream per model (app/rpc/mux_stream.py;
+        # FLEXLB_GRPC_MUX=off: a stream per call); decode keeps a stream per call.
+        if mux is None:
+            from app.config import Settings
+
+            mux = Settings().grpc_mux
+        self._mux = (
+            {m: StreamMux(self._stub, address, m) for m in (W.CONTROL_MODEL, W.PREFILL_MODEL)} if mux else {}
+        )
 
     async def close(self) -> None:
+        """Half-close the shared streams and give the worker 0.5 s to end them: a cancel as a
+        stream completes is the race in which tritonserver crashed (see `control`)."""
+        readers = [r for m in self._mux.values() for r in m.close()]
+        if readers:
+            await asyncio.wait(readers, timeout=0.5)
         await self._channel.close()
+
+    def _call(
+        self, model: str, inputs: Sequence[Input], timeout: float | None, request_id: str = ""
+    ) -> AsyncIterator[InferResult]:
+        """A control or prefill call: on the model's shared stream, else on a stream of its own."""
+        mux = self._mux.get(model)
+        if mux is None:
+            return self._stream(model, inputs, timeout, request_id)
+        return mux.call(_request(model, inputs, request_id), timeout, _Result)
 
     async def _stream(
         self, model: str, inputs: Sequence[Input], timeout: float | None, request_id: str = ""
@@ -220,7 +244,7 @@ class WorkerClient:
         # Read to the stream's natural end instead of leaving after the answer: leaving cancels the
         # RPC, and cancelling streams as they complete (every poll did, 10 times a second per
         # worker) is the race in which tritonserver segfaulted (Signal 11) under load.
-        async for result in self._stream(W.CONTROL_MODEL, [_inp(W.C_REQUEST, arr, "BYTES")], timeout):
+        async for result in self._call(W.CONTROL_MODEL, [_inp(W.C_REQUEST, arr, "BYTES")], timeout):
             if answer is None:
                 answer = json.loads(result.as_numpy(W.C_RESPONSE)[0])
         if answer is None:
@@ -296,7 +320,7 @@ class WorkerClient:
             if sampling is not None and any(sampling):
                 inputs.extend(_sampling_inputs(list(sampling), W.P_TEMPERATURE, W.P_TOP_P, W.P_SEED))
             first, refused = True, False
-            async for r in self._stream(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
+            async for r in self._call(W.PREFILL_MODEL, inputs, timeout, request_id=batch_id):
                 ev = _prefill_event(r)
                 if first and ks is not None and ev.event == "error" and ev.error.endswith(W.NEEDS_INPUT_IDS):
                     # Refused before the engine saw the batch: the cached answer was wrong (it is
