@@ -191,8 +191,8 @@ BUILTIN_POLICIES = (
         DECODE,
         (),
         (("kv_headroom_tokens", 1.0, _NO_PARAMS),),
-        ("best", {"tie_pct": 0.05, "tie_break": ("decode_held_tokens",)}),
-        summary="most KV left after this request; within 5% of the best the prompt's holder, else drawn",
+        ("best", {"tie_pct": 0.05}),
+        summary="most KV left after this request; within 5% of the best drawn at random",
     ),
     PolicyDef(
         "least_load",

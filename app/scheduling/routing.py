@@ -315,8 +315,9 @@ def eligible_decode(q: DecodeQuery, workers: Sequence[WorkerView]) -> tuple[list
     tokens of ``q``'s blocks a hold there already names (`DecodeQuery.held`, at most the shareable
     part), i.e. what the worker has left after this request's real reservation. Ranking on that
     sends an application's or a session's requests where their prompt is held, for as long as
-    that leaves the worker at least as much room as any other: the preference is bounded by the
-    tokens saved, so it never piles requests onto a fuller worker.
+    that leaves the worker more room than any other: the preference is bounded by the tokens
+    saved, so it never piles requests onto a fuller worker, and within `kv_headroom`'s band the
+    draw stays (breaking those ties for the holder raised TPOT p99 by 6-8 ms on chat_agents).
 
     Headroom = min(kv_free, kv_total − reserved). A running sequence is in both the worker's used
     KV and the reservations (which last until its stream ends), so `kv_free − reserved` counted it

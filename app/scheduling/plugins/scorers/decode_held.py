@@ -11,11 +11,12 @@ from app.scheduling.routing import DecodeQuery
 @register("scorer", "decode_held_tokens", roles=("decode",))
 class DecodeHeld(Plugin):
     """Tokens of the request's prompt that the origin's holds on the worker already name
-    (`DecodeQuery.held`, at most its shareable part), higher is better. The built-in
-    ``kv_headroom`` breaks its near-ties with it: among workers whose headroom for this request is
-    within the band of the best, the one holding the prompt keeps it, so an application's or a
-    session's requests share their blocks there instead of being drawn apart; a worker outside the
-    band is never preferred for what it holds."""
+    (`DecodeQuery.held`, at most its shareable part), higher is better. For declared policies, e.g.
+    as ``best``'s tie-break: among workers within the band of the best headroom the holder keeps
+    the prompt. Not in the built-in ``kv_headroom``: there it piled an application's sequences onto
+    one worker (chat_agents, 1 replica: TPOT p99 +6-8 ms at loads 4-5, docs/benchmarks.md), while
+    the headroom for this request (`eligible_decode`) already sends a request to its holder
+    whenever that leaves the most room by more than the band."""
 
     sense = "max"
     __slots__ = ()
