@@ -184,7 +184,8 @@ def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
     `FLEXLB_FRESH_PICK`), ``shared`` is `SimConfig.shared_speculative` (speculative cache entries
     published through the owner to every replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by
     default, as live. ``expected`` is the decode engines' admission, ``res:`` the origin's
-    `reserve_output_tokens`."""
+    `reserve_output_tokens`, ``dshare`` / ``dheld`` the decode holds' sharing and the pick's use
+    of it, ``+tpot:MS`` the simulator-only TPOT guard (see ``SUFFIXES`` and ``TPOT``)."""
     out = []
     for n in names:
         base = TPOT.sub("", RESERVE.sub("", n))
