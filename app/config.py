@@ -98,6 +98,10 @@ class Settings(BaseSettings):
         True,
         description="a prompt block another decode hold on the worker names is reserved once (paged KV)",
     )
+    decode_prefer_held: bool = Field(
+        True,
+        description="decode pick ranks a worker by headroom + the request's blocks our holds there name",
+    )
     admission_drop_late: str = Field(
         "explicit", description="owner ends queued requests past their deadline: explicit ones, or always"
     )

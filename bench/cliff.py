@@ -155,6 +155,9 @@ def workloads(names: list[str], max_requests: int | None) -> dict[str, Trace]:
 # or hold prompt + max_new_tokens (`reserve`, SimConfig's default). ``-dshare`` / ``+dshare``: a
 # prompt block several decode sequences / holds on a worker share counted per sequence (off) or once
 # (`SimConfig.decode_shared_prefix`, live `FLEXLB_DECODE_SHARED_PREFIX`, default on).
+# ``-dheld`` / ``+dheld``: the decode pick ranks on headroom alone / plus the request's prompt
+# tokens the replica's holds there name (`SimConfig.decode_prefer_held`, live
+# `FLEXLB_DECODE_PREFER_HELD`, default on).
 SUFFIXES = {
     "+fresh": ("fresh_pick", True),
     "+shared": ("shared_speculative", True),
@@ -164,10 +167,15 @@ SUFFIXES = {
     "-expected": ("decode_admission", "reserve"),
     "+dshare": ("decode_shared_prefix", True),
     "-dshare": ("decode_shared_prefix", False),
+    "+dheld": ("decode_prefer_held", True),
+    "-dheld": ("decode_prefer_held", False),
 }
 # ``+res:POLICY`` (max | mean | pXX): the decode KV the origin reserves per request
 # (`SimConfig.reserve_output_tokens`, live `FLEXLB_RESERVE_OUTPUT_TOKENS`; default the live setting).
 RESERVE = re.compile(r"\+res:(max|mean|p[0-9.]+)")
+# ``+tpot:MS``: the origin refuses a decode worker whose modelled step with the request would
+# exceed MS (`SimConfig.decode_tpot_slo_ms`, an evaluation without a live twin).
+TPOT = re.compile(r"\+tpot:([0-9.]+)")
 
 
 def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
@@ -176,10 +184,11 @@ def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
     `FLEXLB_FRESH_PICK`), ``shared`` is `SimConfig.shared_speculative` (speculative cache entries
     published through the owner to every replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by
     default, as live. ``expected`` is the decode engines' admission, ``res:`` the origin's
-    `reserve_output_tokens`."""
+    `reserve_output_tokens`, ``dshare`` / ``dheld`` the decode holds' sharing and the pick's use
+    of it, ``+tpot:MS`` the simulator-only TPOT guard (see ``SUFFIXES`` and ``TPOT``)."""
     out = []
     for n in names:
-        base = RESERVE.sub("", n)
+        base = TPOT.sub("", RESERVE.sub("", n))
         for suf in SUFFIXES:
             base = base.replace(suf, "")
         strategy, _, batching = base.partition("@")
@@ -192,6 +201,9 @@ def _flags(name: str) -> tuple[tuple[str, Any], ...]:
     m = RESERVE.search(name)
     if m:
         flags.append(("reserve_output_tokens", m.group(1)))
+    m = TPOT.search(name)
+    if m:
+        flags.append(("decode_tpot_slo_ms", float(m.group(1))))
     return tuple(flags)
 
 

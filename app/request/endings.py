@@ -52,6 +52,7 @@ class Endings(RequestContext):
         cmds: list[list[Any]] = []
         if p.decode_worker and p.stage != "new":
             cmds.append(self.store.release_cmd(p.decode_worker, rid))
+        self.dholds.drop(rid)  # this origin's view of its holds (DecodeHoldMirror)
         cmds.append(["SREM", self.keys.origin_requests(self.replica_id), rid])
         fields = {"prefill_worker": p.prefill_worker, "decode_worker": p.decode_worker}
         cmds.append(self.store.transition_cmd(rid, state, fields, outcome=outcome))

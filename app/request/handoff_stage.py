@@ -82,6 +82,7 @@ class HandoffStage(RequestContext):
             if held == 0 and not await self._reserve_elsewhere(req, p):
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
+            self.note_decode_hold(req, p)
 
     def _record_fields(self, req: GenRequest, p: Progress) -> dict[str, Any]:
         """The record carries its holds from creation (issue 14): the decode worker and the
@@ -450,6 +451,8 @@ class HandoffStage(RequestContext):
                 raise ApiError(
                     "overloaded", f"decode worker {p.decode_worker} has no KV left", retry_after_s=1
                 )
+        if held >= 0:
+            self.note_decode_hold(req, p)
         overhead = time.perf_counter() - p.t0
         M.ORIGIN_OVERHEAD.observe(overhead)
         M.SAMPLES["origin_overhead_s"].add(overhead)

@@ -24,7 +24,7 @@ from app.request.endings import Endings
 from app.request.handoff_stage import HandoffStage
 from app.request.routing_inputs import RoutingInputs
 from app.request.types import ENGINE_TO_API, TERMINAL, GenRequest, NotStarted, Progress, StoredOutcome
-from app.scheduling.reserve import OutputLengthEstimator
+from app.scheduling.reserve import DecodeHoldMirror, OutputLengthEstimator
 from app.scheduling.routing import (
     NoWorker,
     WorkerView,
@@ -54,6 +54,8 @@ class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
         self._view_cache: dict[str, tuple[dict[str, str], str | None, WorkerView]] = {}
         # Decode KV per request: max_new_tokens, or the learned mean / pXX (FLEXLB_RESERVE_OUTPUT_TOKENS)
         self.out_est = OutputLengthEstimator(self.settings.reserve_output_tokens)
+        # Where our own decode holds name which prompt chunks (FLEXLB_DECODE_PREFER_HELD)
+        self.dholds = DecodeHoldMirror()
         # worker id → (its ledger's owed ms, wall s) as our last hand-off there read it
         self.owed_overlay: dict[str, tuple[float, float]] = {}
 

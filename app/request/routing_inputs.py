@@ -263,7 +263,14 @@ class RoutingInputs(RequestContext):
         """The decode placement of a hold of `need` tokens (prompt + reserved output)."""
         n = len(req.input_ids)
         bs, keys = self.decode_hold_blocks(req, p)
-        return DecodeQuery(n, need - n, n + req.max_new_tokens, bs * len(keys))
+        held = self.dholds.held(bs, keys) if keys and self.settings.decode_prefer_held else None
+        return DecodeQuery(n, need - n, n + req.max_new_tokens, bs * len(keys), held)
+
+    def note_decode_hold(self, req: GenRequest, p: Progress) -> None:
+        """The RESERVE script took this request's hold on ``p.decode_worker``: later requests'
+        decode picks see which of their chunks it names there (`DecodeHoldMirror`)."""
+        if self.settings.decode_prefer_held:
+            self.dholds.hold(req.request_id, p.decode_worker, *self.decode_hold_blocks(req, p))
 
     def choose_decode(self, req: GenRequest, p: Progress) -> None:
         """Pure: the decode worker (DESIGN §3 step 5) is chosen before anything is written, so its

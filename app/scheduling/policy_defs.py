@@ -192,7 +192,7 @@ BUILTIN_POLICIES = (
         (),
         (("kv_headroom_tokens", 1.0, _NO_PARAMS),),
         ("best", {"tie_pct": 0.05}),
-        summary="most unreserved KV; headrooms within 5% of the best drawn at random",
+        summary="most KV left after this request; within 5% of the best drawn at random",
     ),
     PolicyDef(
         "least_load",

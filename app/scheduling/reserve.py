@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "SHARE_CHUNK_TOKENS",
+    "DecodeHoldMirror",
     "OutputLengthEstimator",
     "SharedBlockHolds",
     "parse_reserve_policy",
@@ -139,3 +140,64 @@ class SharedBlockHolds:
             else:
                 del self.count[k]
         return kept * self.block_size
+
+
+class DecodeHoldMirror:
+    """Which decode worker this origin's own holds name each chunk key on: the decode pick's view
+    of where a request's prompt is already held (`DecodeQuery.held`).
+
+    Without it the decode pick saw only headroom, so a request shared its application's or
+    session's blocks only when it happened to land where they were held. The authoritative counts
+    live in Redis (`reservation_blocks(w)`), but reading them per request would add a round trip
+    before the one that reserves (the pick is made before it, `RoutingInputs.choose_decode`), so
+    each origin keeps what it placed itself: exact with one replica, a lower bound with several
+    (another replica's holds are missed, never invented). Pure and shared by the gateway
+    (`Pipeline.dholds`) and the simulator (`SimReplica.dholds`). A stale entry only biases a
+    score: the RESERVE script still counts what is really held."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, dict[str, int]] = {}  # chunk key → decode worker id → holds naming it
+        self.of: dict[str, tuple[str, int, tuple[int, ...]]] = {}  # request → (worker, chunk, keys)
+
+    def __len__(self) -> int:
+        return len(self.of)
+
+    def held(self, chunk: int, keys: Sequence[int]) -> dict[str, int]:
+        """Per decode worker, tokens of ``keys`` (chunks of ``chunk`` tokens) our holds there name."""
+        out: dict[str, int] = {}
+        if chunk <= 0:
+            return out
+        index = self.index
+        for k in keys:
+            ws = index.get(k)
+            if ws:
+                for w in ws:
+                    out[w] = out.get(w, 0) + chunk
+        return out
+
+    def hold(self, request_id: str, worker_id: str, chunk: int, keys: Sequence[int]) -> None:
+        """``request_id`` now holds ``keys`` on ``worker_id`` (replaces an earlier hold of it)."""
+        self.drop(request_id)
+        if chunk <= 0 or not keys:
+            return
+        t = tuple(keys)
+        for k in t:
+            ws = self.index.setdefault(k, {})
+            ws[worker_id] = ws.get(worker_id, 0) + 1
+        self.of[request_id] = (worker_id, chunk, t)
+
+    def drop(self, request_id: str) -> None:
+        """The request's hold ended (released, or never made: a no-op)."""
+        entry = self.of.pop(request_id, None)
+        if entry is None:
+            return
+        w, _, keys = entry
+        for k in keys:
+            ws = self.index[k]
+            n = ws[w] - 1
+            if n:
+                ws[w] = n
+            else:
+                del ws[w]
+                if not ws:
+                    del self.index[k]

@@ -150,6 +150,11 @@ class ClusterSim:
         # Decode-side prefix sharing (`SimConfig.decode_shared_prefix`): per decode worker, how
         # many reservations name each full prompt block; a block is reserved once.
         self.dheld = [SharedBlockHolds(share_chunk_size(self.bs)) for _ in range(nd)]
+        # `SimConfig.decode_tpot_slo_ms` (an evaluation): per decode worker, the holds and the sum
+        # of their prompt + reserved output, the context each decode step reads at its longest.
+        self.dholds_n = [0] * nd
+        self.dctx = [0] * nd
+        self.dstep = cfg.decode_profile().decode_step_ms
         self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
         self.mirror = CacheMirror(cfg.speculative_ttl_ms, holders_index=True)
         self.cache_version: list[int | None] = [None] * np_
@@ -288,7 +293,8 @@ class ClusterSim:
         elif max_new > 1:
             # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
             cbs, dkeys = share_chunks(self.bs, keys) if self.cfg.decode_shared_prefix else (0, [])
-            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new, cbs * len(dkeys))
+            held = rep.dholds.held(cbs, dkeys) if self.cfg.decode_prefer_held and dkeys else None
+            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new, cbs * len(dkeys), held)
             try:
                 d = rep.choose_decode(dq)
             except NoWorker:
@@ -297,7 +303,10 @@ class ClusterSim:
                 return
             need = size + dq.max_new_tokens
             refused: list[str] = []
-            while self.reserved[d] + need - self.dheld[d].held_tokens(dkeys) > self.deng[d].capacity:
+            while self.reserved[d] + need - self.dheld[d].held_tokens(dkeys) > self.deng[d].capacity or (
+                self.cfg.decode_tpot_slo_ms > 0
+                and self.dstep(self.dholds_n[d] + 1, self.dctx[d] + need) > self.cfg.decode_tpot_slo_ms
+            ):
                 # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
                 refused.append(self.dids[d])
                 others = [v for v in rep.dviews if v.id not in refused]
@@ -313,6 +322,9 @@ class ClusterSim:
                     return
             self.reserved[d] += need - self.dheld[d].held_tokens(dkeys)
             self.dheld[d].hold(rid, dkeys)
+            rep.dholds.hold(rid, self.dids[d], cbs, dkeys)
+            self.dholds_n[d] += 1
+            self.dctx[d] += need
             self.d_dirty[d] = True
             st.decode = d
             st.reserved = need
@@ -562,6 +574,9 @@ class ClusterSim:
             )
         if st.reserved and st.decode >= 0:
             self.reserved[st.decode] -= st.reserved - self.dheld[st.decode].drop(f"r{i}")
+            rep.dholds.drop(f"r{i}")
+            self.dholds_n[st.decode] -= 1
+            self.dctx[st.decode] -= st.reserved
             self.d_dirty[st.decode] = True
             st.reserved = 0
 

@@ -92,6 +92,14 @@ class SimConfig:
     # origin reserves it once per decode worker (vLLM's / SGLang's paged KV on the decode side;
     # live `FLEXLB_DECODE_SHARED_PREFIX`, app/scheduling/reserve.py `SharedBlockHolds`).
     decode_shared_prefix: bool = field(default_factory=lambda: _settings().decode_shared_prefix)
+    # The decode pick ranks a worker by its headroom for this request: plus the tokens of its
+    # prompt that the replica's own holds there name (live `FLEXLB_DECODE_PREFER_HELD`,
+    # app/scheduling/reserve.py `DecodeHoldMirror`).
+    decode_prefer_held: bool = field(default_factory=lambda: _settings().decode_prefer_held)
+    # Evaluation only (no live twin): the origin refuses a decode worker whose modelled step
+    # (`decode_step_ms` over its holds + this one, each at prompt + reserved output) would exceed
+    # this many ms, as a TPOT SLO would; 0 = off. `bench/cliff.py` suffix `+tpot:MS`.
+    decode_tpot_slo_ms: float = 0.0
 
     def validate(self) -> None:
         if self.prefill < 1 or self.decode < 1 or self.replicas < 1:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from app.cache.mirror import SpecIndex
 from app.scheduling.plugins.registry import Candidates
 from app.scheduling.policy import DECODE, PREFILL
+from app.scheduling.reserve import DecodeHoldMirror
 from app.scheduling.routing import (
     Choice,
     DecodeQuery,
@@ -40,6 +41,7 @@ class SimReplica:
         self.pids = sim.pids
         self.dids = sim.dids
         self.pindex = sim.pindex
+        self.dindex = {w: i for i, w in enumerate(sim.dids)}
         self.mirror = sim.mirror
         self.idx = idx
         self.rng = random.Random(f"{cfg.seed}:replica:{idx}")
@@ -47,6 +49,7 @@ class SimReplica:
         # A peer router imitation (a registry picker) runs without FlexLB's admission.
         self.peer = self.pstrat.peer
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
+        self.dholds = DecodeHoldMirror()  # where this replica's own decode holds name their chunks
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
         self.p_seen = [-1] * cfg.prefill
@@ -149,6 +152,9 @@ class SimReplica:
                 cands = [views[j] for j in sorted(idx)]
             else:
                 cands = [views[j] for j in sorted(set(top) | set(band))]
+            if q.held:  # the workers holding the prompt rank on their headroom plus it
+                have = {v.id for v in cands}
+                cands += [views[self.dindex[w]] for w in q.held if w not in have]
         try:
             c = strat.choose(q, cands, self.rng)
         except NoWorker:
