@@ -30,7 +30,13 @@ from app.state.text import to_str as _s
 
 
 class WorkerUnavailable(ConnectionError):
-    """The worker did not answer (connection refused, deadline, stream broken)."""
+    """The worker did not answer (connection refused, deadline, stream broken). ``timed_out``: the
+    call ran past its deadline, so the worker may only be slow (the poller's health tells these
+    apart, app/cluster/health.py)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass
@@ -206,7 +212,8 @@ class WorkerClient:
                 yield _Result(resp.infer_response)
             finished = True
         except grpc.aio.AioRpcError as exc:
-            raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}") from exc
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}", timed_out=slow) from exc
         finally:
             if not finished:
                 call.cancel()
