@@ -44,7 +44,12 @@ class Settings(BaseSettings):
     lease_ttl_ms: int = Field(3000, description="master and owner lease TTL")
     poll_interval_ms: int = Field(200, description="owner's worker status/cache poll interval")
     poll_deadline_ms: int = Field(500, description="deadline of one poll call")
-    down_after_failures: int = Field(2, description="consecutive failures that mark a worker down")
+    down_after_failures: int = Field(
+        1, ge=1, description="failed polls (refused, reset, an error answer) in a row that mark a worker down"
+    )
+    down_after_slow_polls: int = Field(
+        5, ge=1, description="missed polls in a row, slow ones included, that mark a worker down"
+    )
     speculative_ttl_ms: int = Field(2000, description="lifetime of a just-routed prefix in the cache mirror")
     speculative_max_entries: int = Field(
         65536, ge=1, description="cap on the cache mirror's speculative (block, worker) entries"

@@ -45,6 +45,14 @@ WORKER_KV_FREE = Gauge(
 WORKER_EPOCH_CHANGES = Counter(
     "flexlb_worker_epoch_changes_total", "Worker restarts seen (new epoch)", ["worker"], registry=REGISTRY
 )
+# How the owner's polls of a worker missed (app/cluster/health.py): a failed one takes it out of
+# routing at once, slow ones only after FLEXLB_DOWN_AFTER_SLOW_POLLS in a row.
+WORKER_POLLS_SLOW = Counter(
+    "flexlb_worker_polls_slow_total", "Owner polls past their deadline", ["worker"], registry=REGISTRY
+)
+WORKER_POLLS_FAILED = Counter(
+    "flexlb_worker_polls_failed_total", "Owner polls refused or broken", ["worker"], registry=REGISTRY
+)
 REAPED_REPLICAS = Counter(
     "flexlb_reaped_replicas_total", "Dead replicas reaped by the master", registry=REGISTRY
 )
@@ -422,6 +430,8 @@ def _per_worker() -> tuple[Any, ...]:
         WORKER_KV_FREE,
         CACHE_MIRROR_BLOCKS,
         WORKER_EPOCH_CHANGES,
+        WORKER_POLLS_SLOW,
+        WORKER_POLLS_FAILED,
         WORKER_PREFILL_INPUT,
         WORKER_PREFILL_CACHED,
         *(g for g, _, _ in _SNAPSHOT_GAUGES if g is not WORKER_KV_FREE),

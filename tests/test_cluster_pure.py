@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 from app.cache.mirror import CacheMirror
-from app.cluster.health import Health, WorkerHealth
+from app.cluster.health import Health, Miss, WorkerHealth
 
 
-def test_health_down_after_two_failures_up_after_poll() -> None:
-    h = WorkerHealth(down_after=2)
+def test_health_down_at_once_on_a_failed_poll_up_after_poll() -> None:
+    """A refused or broken poll says the worker is not there: down at once, up after a good poll."""
+    h = WorkerHealth(down_after=1, slow_down_after=5)
     assert h.poll_ok("e1") is not None and h.state == Health.UP
-    assert h.failure() is None and h.state == Health.UP
-    ch = h.failure()
-    assert ch is not None and ch.after == Health.DOWN and not h.routable
+    ch = h.failure(Miss.FAILED)
+    assert ch is not None and ch.after == Health.DOWN and ch.misses == 1 and not h.routable
     assert h.failure() is None  # stays down, no flapping events
     ch = h.poll_ok("e1")
     assert ch is not None and ch.after == Health.UP and not ch.epoch_changed
+
+
+def test_health_slow_polls_need_consecutive_misses() -> None:
+    """A late answer may be load, not death: four in a row keep the worker in routing, a good poll
+    clears the count, the fifth in a row takes it out; a failed poll within a slow run counts in
+    the run and still takes it out at once."""
+    h = WorkerHealth(down_after=1, slow_down_after=5)
+    h.poll_ok("e1")
+    for _ in range(4):
+        assert h.failure(Miss.SLOW) is None and h.routable
+    assert h.poll_ok("e1") is None  # back to 0
+    for _ in range(4):
+        assert h.failure(Miss.SLOW) is None and h.routable
+    ch = h.failure(Miss.SLOW)
+    assert ch is not None and ch.after == Health.DOWN and ch.misses == 5
+    h.poll_ok("e1")
+    h.failure(Miss.SLOW)
+    ch = h.failure(Miss.FAILED)
+    assert ch is not None and ch.after == Health.DOWN and ch.misses == 2
 
 
 def test_health_epoch_change_reported() -> None:

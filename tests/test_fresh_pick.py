@@ -7,13 +7,14 @@ the end-to-end check that a load the replica's snapshot has not seen yet moves t
 
 from __future__ import annotations
 
-import asyncio
 import random
+import threading
 import time
 import uuid
 
 import httpx
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from app.request.routing_inputs import LOAD_SLOPE, FreshPair, fresh_pair
@@ -25,7 +26,7 @@ from app.scheduling.routing import PREFILL, Choice, PrefillQuery, WorkerView
 from app.state.keys import Keys
 from app.state.store import StateStore
 
-from .gateways import start_gateway, wait_for
+from .gateways import Gateway, start_gateway, wait_for
 
 
 def _view(wid: str, queued: float = 0.0, owed: float = 0.0) -> WorkerView:
@@ -199,68 +200,120 @@ async def test_handoff_pick_script_decides_as_fresh_pair(redis_url: str, cluster
         await r.aclose()
 
 
+# The load replica A's view has not seen: replica B's real batch, held in flight on the holder by a
+# slow engine formula. Its owed time is what the gateway's formula predicts for it: 40,000 uncached
+# tokens ≈ 2,000 ms, past the `cost` policy's 1 s budget, where a holder gives its prefix up against
+# a backlog of 3x the saving (~40 ms here). Both prefill workers run a 100x slower clock (set before
+# the replicas start, so the one snapshot A takes carries it), so that owed time ages 10 modelled ms
+# a wall second: the window outlives the test's steps on a loaded box by minutes.
+FRESH_SCALE = 100.0
+FRESH_TAIL = "t" * 40_000  # byte tokenizer: 40,000 tokens the holder has not cached
+FRESH_HOLD_FORMULA = "2000"  # the holder's engine time for B's batch: 200 s of wall clock at scale
+
+
 @pytest.mark.parametrize("fresh", [False, True], ids=["snapshot", "fresh"])
 def test_fresh_load_another_replica_committed_moves_the_request(
     fresh: bool, workers_reset, shared_embedded_redis, tmp_path
 ) -> None:
-    """A follow-up prompt whose prefix the replica just sent to worker H goes to H on the replica's
-    view (H looks idle and holds the prefix). Then a batch lands in H's ledger that the view has
-    not seen (as another replica's owner commits between two polls; polls here are 30 s apart):
-    with the fresh pick the hand-off reads H's live owed time and the request goes to the other
-    worker; on the snapshot alone it still goes to H. Real replica, Redis and Triton workers."""
+    """A follow-up prompt whose prefix replica A just sent to worker H goes to H on A's view (H
+    looks idle and holds the prefix). Then replica B sends a long prompt with that prefix: it lands
+    on H too (the owner shares each hand-off's prefix with every mirror) and its batch, committed
+    into H's ledger by H's owner, stays in flight (H's engine is made slow for it). A's snapshot
+    has not seen it (one poll at start-up, the next 30 s later): with the fresh pick A's hand-off
+    reads H's live owed time and the request goes to the other worker; on the snapshot alone it
+    still goes to H. Real replicas, Redis and Triton workers; nothing is written by the test.
+    `workers_reset` puts the pool back, pass or fail."""
+    from .conftest import worker_call
+
     pool = workers_reset
     p1, p2 = pool["prefill"]
     d = pool["decode"][0]
+    for w in (p1, p2):
+        assert worker_call(w.address, "configure", time_scale=FRESH_SCALE).get("ok")
     cluster = f"t-{uuid.uuid4().hex[:8]}"
     spec = f"prefill@{p1.address},prefill@{p2.address},decode@{d.address}"
     env = {
         "FLEXLB_POLL_INTERVAL_MS": "30000",  # the snapshot stays as it was at start
-        "FLEXLB_RECONCILE_INTERVAL_MS": "600000",  # the injected batch stays put
-        "FLEXLB_SPECULATIVE_TTL_MS": "60000",  # the just-routed prefix stays in the mirror
+        "FLEXLB_SPECULATIVE_TTL_MS": "60000",  # the just-routed prefix stays in the mirrors
         "FLEXLB_FRESH_PICK": "1" if fresh else "0",
     }
-    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
+    # B joins later: the owner leases are sticky, so A owns (and alone polls) every worker
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster, **{**env, "FLEXLB_FRESH_PICK": "1"})
     keys = Keys(cluster)
-    holder = ""
+    r = redis.Redis.from_url(shared_embedded_redis)
+    b_id = f"b-{cluster}"
+    out: dict[str, httpx.Response | httpx.TransportError] = {}
 
-    async def inject() -> None:
-        r = aioredis.from_url(shared_embedded_redis)
+    def post(gw: Gateway, name: str, body: dict) -> None:
         try:
-            lease, fence = (await r.get(keys.owner_lease(holder))).decode().rsplit("|", 1)
-            far = time.time() * 1000 + 600_000  # committed, not started: 60 s owed
-            await StateStore(r, keys).commit_batch(
-                holder, "ghost", ["ghost-r"], 60_000.0, far, int(fence), lease
-            )
-        finally:
-            await r.aclose()
-
-    async def clean() -> None:
-        r = aioredis.from_url(shared_embedded_redis)
-        try:
-            if holder:
-                await r.hdel(keys.ledger(holder), "ghost")
-        finally:
-            await r.aclose()
+            out[name] = httpx.post(gw.url + "/v1/generate", json=body, timeout=120)
+        except httpx.TransportError as exc:  # the gateway stopped under it: a failed test's cleanup
+            out[name] = exc
 
     def send(text: str) -> dict:
-        resp = httpx.post(gw.url + "/v1/generate", json={"prompt": text, "max_new_tokens": 2}, timeout=30)
+        resp = httpx.post(a.url + "/v1/generate", json={"prompt": text, "max_new_tokens": 2}, timeout=30)
         assert resp.status_code == 200, resp.text
         return resp.json()  # type: ignore[no-any-return]
 
+    prompt = "fresh pick prefix " * 80
+    b_body = {"prompt": prompt + FRESH_TAIL, "max_new_tokens": 2, "request_id": b_id}
+    a_body = {"prompt": prompt + " once more", "max_new_tokens": 2}
+    b_th = threading.Thread(target=post, args=(b, "b", b_body), daemon=True)
+    a_th = threading.Thread(target=post, args=(a, "a", a_body), daemon=True)
     try:
-        wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
-        prompt = "fresh pick prefix " * 80
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
+        leases = a.get("/admin/leases", admin=True).json()["owners"]
+        assert {(o or {}).get("holder") for o in leases.values()} == {a.replica_id}, leases
         holder = send(prompt)["prefill_worker"]
         assert send(prompt + " again")["prefill_worker"] == holder  # the cached prefix draws it
-        asyncio.run(inject())
-        went = send(prompt + " once more")["prefill_worker"]
+        other = next(w for w in (f"prefill@{p1.address}", f"prefill@{p2.address}") if w != holder)
+        assert worker_call(holder.split("@", 1)[1], "configure", formula=FRESH_HOLD_FORMULA).get("ok")
+
+        b_th.start()  # B's request: committed into H's ledger by A (H's owner), then held running
+        wait_for(
+            lambda: any(b_id in v.decode() for v in r.hvals(keys.ledger(holder))),
+            30,
+            what="B's batch in the holder's ledger",
+        )
+        assert r.hget(keys.request(b_id), "prefill_worker") == holder.encode()
+        snap = a.get("/admin/workers", admin=True).json()["workers"][holder]["snapshot"]
+        assert float(snap.get("owed_ms", 0) or 0) == 0.0, snap  # A's view has not seen it
+
+        a_th.start()
+
+        def a_placed() -> bool:
+            """A's request (no client id: only a fresh id takes the fresh pick) has been handed off:
+            answered, or waiting on the holder behind B's batch (queued or committed there)."""
+            if "a" in out:
+                return True
+            queued = float(r.get(keys.queued_ms(holder)) or 0)
+            return queued > 0 or any(b_id not in v.decode() for v in r.hvals(keys.ledger(holder)))
+
+        wait_for(a_placed, 30, what="A's request placed")
+        # B's batch was still owed when A picked (a box too slow for the window fails here, not below)
+        assert any(b_id in v.decode() for v in r.hvals(keys.ledger(holder))), "B's batch settled early"
+        # End both for real: the holder fast again (A's request may wait there), B's cancelled.
+        assert worker_call(holder.split("@", 1)[1], "configure", formula="1").get("ok")
+        assert b.delete(f"/v1/requests/{b_id}").status_code == 202
+        b_th.join(60)
+        a_th.join(60)
+        ended_b, ended_a = out.get("b"), out.get("a")
+        assert isinstance(ended_b, httpx.Response) and ended_b.status_code == 499, ended_b
+        assert isinstance(ended_a, httpx.Response) and ended_a.status_code == 200, ended_a
+        went = ended_a.json()["prefill_worker"]
         if fresh:
-            assert went != holder, "the live owed time must move the request off the busy holder"
+            assert went == other, "the live owed time must move the request off the busy holder"
         else:
             assert went == holder, "on the stale snapshot the holder still looks best"
+        wait_for(lambda: not r.hlen(keys.ledger(holder)), 30, what="the holder's ledger settled")
     finally:
-        asyncio.run(clean())
-        gw.stop()
+        a.stop()
+        b.stop()
+        for th in (a_th, b_th):
+            if th.is_alive():  # their client calls end with the gateways
+                th.join(30)
+        r.close()
 
 
 async def test_handoff_pick_rides_in_a_limited_tenants_gate(shared_embedded_redis: str, cluster: str) -> None:

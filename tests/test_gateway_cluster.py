@@ -22,7 +22,6 @@ from app.cluster.rendezvous import assign
 from app.rpc.worker_client import WorkerClient
 from app.state.embedded_redis import find_redis_server
 from app.state.keys import Keys
-from app.state.store import StateStore
 
 from .conftest import start_worker, worker_call
 from .gateways import Gateway, free_port, start_gateway, wait_for
@@ -129,48 +128,81 @@ def test_embedded_redis_survives_the_replica_that_started_it(worker_pool, cluste
 def test_worker_down_on_kill_and_hang_back_with_new_epoch(
     worker_pool, shared_embedded_redis, cluster, tmp_path, worker_tmp
 ) -> None:
+    """A hung worker goes down and comes back; a killed one goes down, takes its in-flight batch
+    with it and comes back on restart with a new epoch. The batch is a real request the gateway
+    committed (held running by a slow formula): the owner sees its stream break, answers the
+    request `worker_error` and settles the batch while the worker is still down. (The owner's
+    old-epoch sweep on restart, `Ownership.settle_epoch`, is a backstop for a batch that outlived
+    its stream; with a live owner the stream's end always settles first, so it is not what this
+    test pins.) The test starts its own worker, so the pool's is never killed."""
     own = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1")
     port = own.ready["grpc_port"]
     wid = f"prefill@{own.address}"
     dec = worker_pool["decode"][0]
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"{wid},decode@{dec.address}")
+    out: dict[str, httpx.Response | httpx.TransportError] = {}
+    th: threading.Thread | None = None
+
+    def call(rid: str) -> None:
+        body = {"prompt": "held in flight", "max_new_tokens": 2, "request_id": rid}
+        try:
+            out[rid] = gw.post("/v1/generate", json=body)
+        except httpx.TransportError as exc:  # the gateway stopped under it: a failed test's cleanup
+            out[rid] = exc
+
     try:
         wait_for(lambda: gw.readyz()["workers"].get(wid) == "up", 15, what="worker up")
-        bound = 2 * (0.2 + 0.5) + 0.6  # 2 × (interval + deadline), plus the snapshot refresh
-        # hang (fault): stops answering status
+        # hang (fault): stops answering status. Each poll runs past its deadline, as a loaded
+        # worker's might: down after 5 in a row (the owner's count, not wall-clock time; the
+        # wait only bounds a hang).
+        down = f"worker {wid} health up -> down after"
         asyncio.run(_configure(own.address, faults={"hang": True}))
-        t0 = time.monotonic()
-        wait_for(lambda: gw.readyz()["workers"][wid] == "down", bound + 1, what="down on hang")
-        assert time.monotonic() - t0 <= bound + 1
+        wait_for(lambda: gw.readyz()["workers"][wid] == "down", 30, what="down on hang")
+        assert f"{down} 5 missed polls" in gw.log(), gw.log()[-2000:]
         asyncio.run(_configure(own.address, faults={}))
         wait_for(lambda: gw.readyz()["workers"][wid] == "up", 5, what="up after hang")
-        # a batch committed under the current epoch: it must be settled when the worker restarts
+        # A real batch in flight when the worker dies: the gateway's request, held running by a
+        # slow formula (600 s), committed into the ledger by the owner under the current epoch.
         keys = Keys(cluster)
         r = redis.Redis.from_url(shared_embedded_redis)
-        holder, fence = r.get(keys.owner_lease(wid)).decode().split("|")
+        assert worker_call(own.address, "configure", formula="600000")["ok"]
+        rid = f"held-{cluster}"
+        th = threading.Thread(target=call, args=(rid,), daemon=True)
+        th.start()
 
-        async def commit() -> None:
-            import redis.asyncio as aioredis
+        def held_batch() -> dict | None:
+            for raw in r.hvals(keys.ledger(wid)):
+                entry = json.loads(raw)
+                if rid in entry.get("members", []):
+                    return entry  # type: ignore[no-any-return]
+            return None
 
-            ar = aioredis.from_url(shared_embedded_redis)
-            st = StateStore(ar, keys)
-            await st.load_scripts()
-            assert await st.commit_batch(
-                wid, "old-batch", ["m1"], 50.0, 0.0, int(fence), holder, epoch=own.epoch
-            )
-            await ar.aclose()
-
-        asyncio.run(commit())
-        assert r.hexists(keys.ledger(wid), "old-batch")
+        entry = wait_for(held_batch, 30, what="the request's batch in the ledger")
+        assert entry["epoch"] == own.epoch, entry
+        wait_for(
+            lambda: any(
+                rid in b["request_ids"] and b["phase"] == "running"
+                for b in worker_call(own.address, "status")["live"]
+            ),
+            30,
+            what="the batch running on the worker",
+        )
         # kill
         old_epoch = own.epoch
         own.kill_hard()
-        t0 = time.monotonic()
-        wait_for(lambda: gw.readyz()["workers"][wid] == "down", bound + 1, what="down on kill")
-        assert time.monotonic() - t0 <= bound + 1
+        # a refused poll says it is not there: down at once, on the first one
+        wait_for(lambda: gw.readyz()["workers"][wid] == "down", 30, what="down on kill")
+        assert _messages(gw).count(f"{down} 1 missed poll") == 1, gw.log()[-2000:]
         # its only prefill worker is down: the replica says it is not ready, and why
         ready = gw.readyz()
         assert not ready["ready"] and "no live prefill worker" in ready["reasons"], ready
+        # The owner saw the batch's stream break: the request ends typed (a worker error, never a
+        # hang or a 500) and its batch is settled, nothing owed for work that died with the worker.
+        th.join(30)
+        ended = out.get(rid)
+        assert isinstance(ended, httpx.Response) and ended.status_code == 502, ended
+        assert ended.json()["error"]["code"] == "worker_error", ended.text
+        wait_for(lambda: held_batch() is None, 10, what="the dead batch settled")
         # restart on the same port: new epoch, back up
         own = start_worker(
             "prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)
@@ -179,12 +211,20 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
         wait_for(lambda: gw.readyz()["workers"][wid] == "up", 15, what="up after restart")
         snap = gw.get("/admin/workers", admin=True).json()["workers"][wid]["snapshot"]
         assert snap["epoch"] == own.epoch
-        wait_for(lambda: not r.hexists(keys.ledger(wid), "old-batch"), 5, what="old-epoch batch settled")
+        assert not r.hlen(keys.ledger(wid)), r.hgetall(keys.ledger(wid))  # nothing left owed
         metrics = gw.get("/metrics").text
         assert f'flexlb_worker_epoch_changes_total{{worker="{wid}"}} 1.0' in metrics
     finally:
         gw.stop()
+        if th is not None and th.is_alive():  # its client call ends with the gateway
+            th.join(30)
         own.stop()
+
+
+def _messages(gw: Gateway) -> list[str]:
+    """The replica's log messages (its log is JSON lines)."""
+    lines = gw.log().splitlines()
+    return [str(json.loads(ln).get("msg", "")) for ln in lines if ln.startswith("{")]
 
 
 async def _configure(addr: str, **kw) -> None:

@@ -1,99 +1,132 @@
 """Two faults of the chaos suite's cases, each pinned down on its own with real Redis and real
 Triton workers (tests/test_faults.py runs the cases end to end): the owner's claim that fails
-part-way (case 5b's leftovers) and the engine work of a dead origin (case 1's reconciler)."""
+part-way (case 5b's leftovers) and the engine work of a dead origin (case 1's reconciler), the
+latter through real replicas, one of them SIGKILLed."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
 
+import httpx
 import numpy as np
-import redis.asyncio as aioredis
+import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.cluster.leases import Lease, acquire_leases
-from app.cluster.reconciler import Reconciler
 from app.dispatch.owner import OwnerDispatcher
 from app.state.handoff import GROUP, pack_tokens
 from app.state.keys import Keys
-from app.state.store import StateStore
 
-from .conftest import handoff_rig
-
+from .conftest import finished_records, handoff_rig, record_mark, worker_call
+from .gateways import Gateway, start_gateway, wait_for
 
 # ---- the reconciler cancels a dead origin's engine work -----------------------------------------
-async def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
-    clients, shared_embedded_redis
+# The dead origin's prefill batch runs 600 modelled s (time scale 1) and its generation 8,000
+# tokens (the API's most) at a 100x slower clock: only a cancel ends either within the test.
+DEAD_PREFILL_FORMULA = "600000"
+DEAD_DECODE_TOKENS = 8_000
+DEAD_DECODE_SCALE = 100.0
+
+
+def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
+    workers_reset, shared_embedded_redis, cluster, tmp_path
 ) -> None:
     """The reconciler ends a dead origin's request `owner_lost` and cancels what still runs for it
-    on the engines (its output has no reader) once it has stayed dead `cancel_after_s`: a slow
-    prefill batch and a long decode both end `cancelled` then, instead of taking their slot and KV
-    to the end."""
-    p, d = clients["prefill"][0], clients["decode"][0]
-    await p.configure(formula="20000")  # 20 s per batch: only a cancel ends it early
-    await d.configure(profile="formula", formula="1", time_scale=1.0)
-    pe, de = (await p.status())["epoch"], (await d.status())["epoch"]
-    keys = Keys(f"t-eng-{uuid.uuid4().hex[:6]}")
-    r = aioredis.from_url(shared_embedded_redis)
-    store = StateStore(r, keys)
-    await store.load_scripts()
-    wp, wd = f"prefill@{p.address}", f"decode@{d.address}"
-    rp, rd = f"rp-{uuid.uuid4().hex[:8]}", f"rd-{uuid.uuid4().hex[:8]}"
-    dead = "gw-dead"
-    await store.create_request(rp, dead, {"prefill_worker": wp})
-    await store.create_request(rd, dead, {"decode_worker": wd})
-    await r.sadd(keys.origin_requests(dead), rp, rd)
-    await r.sadd(keys.replicas_seen, dead)
-    prefill_events: list = []
-    decoded: list = []
+    on the engines (its output has no reader) once it has stayed dead `cancel_after_s` (10 s): a
+    slow prefill batch and a long decode both end `cancelled` then, instead of taking their slot
+    and KV to the end.
 
-    async def run_prefill() -> None:
-        async for ev in p.prefill(f"b-{rp}", pe, [(rp, np.arange(200, dtype=np.int32))], timeout=60):
-            prefill_events.append(ev)
+    The death is real: replica B (joined after A, so A owns every worker and is the master) accepts
+    both requests, and is SIGKILLed by PID while one decodes and the other's batch runs. A's
+    master finds it gone after the membership TTL and reconciles. `workers_reset` puts the pool
+    back, pass or fail."""
+    pool = workers_reset
+    prefills, d = pool["prefill"], pool["decode"][0]
+    assert worker_call(d.address, "configure", time_scale=DEAD_DECODE_SCALE)["ok"]
+    spec = ",".join([*(f"prefill@{p.address}" for p in prefills), f"decode@{d.address}"])
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec)
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster)
+    keys = Keys(cluster)
+    r = redis.Redis.from_url(shared_embedded_redis)
+    rd, rp = f"rd-{cluster}", f"rp-{cluster}"
+    marks = {p.address: record_mark(p.address) for p in prefills}
 
-    async def run_decode() -> None:
-        async for ev in d.decode(rd, de, 100, 100_000, timeout=60):
-            decoded.append(ev)
+    def send(rid: str, max_new: int) -> None:
+        body = {"prompt": f"dead origin {rid}", "max_new_tokens": max_new, "request_id": rid}
+        # B dies under it: the client sees its connection drop, whatever the request's fate
+        with contextlib.suppress(httpx.TransportError):
+            httpx.post(b.url + "/v1/generate", json=body, timeout=120)
 
-    tasks = [asyncio.create_task(run_prefill()), asyncio.create_task(run_decode())]
-    try:
-        for _ in range(500):  # both running on their engines
-            if decoded and any(ev.event == "accepted" for ev in prefill_events):
-                break
-            await asyncio.sleep(0.01)
-        rec = Reconciler(
-            r,
-            keys,
-            store,
-            live_members=lambda: _aw(["gw-live"]),
-            workers=lambda: {wp: {"role": "prefill"}, wd: {"role": "decode"}},
-            cancel_on=lambda wid, rid: {wp: p, wd: d}[wid].cancel(rid, timeout=2.0),
-            cancel_after_s=1.0,
+    def decoding() -> list[str]:
+        running: list[str] = worker_call(d.address, "status")["live"]["running"]
+        return running
+
+    def prefill_running(rid: str) -> bool:
+        return any(
+            rid in x["request_ids"] and x["phase"] == "running"
+            for p in prefills
+            for x in worker_call(p.address, "status")["live"]
         )
-        counts: dict[str, int] = {}
-        t0 = time.monotonic()
-        assert await rec.end_origin(dead, counts, [wp]) == 2  # as the master's reaping does
-        counts.update(await rec.run_once())  # too soon: a stalled origin may still wake
-        assert "engine_cancelled" not in counts and not any(ev.event == "results" for ev in prefill_events)
-        await asyncio.sleep(1.0)
-        counts.update(await rec.run_once())  # dead for cancel_after_s: its engine work goes
-        await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        took = time.monotonic() - t0
+
+    def state(rid: str) -> str:
+        return (r.hget(keys.request(rid), "state") or b"").decode()
+
+    threads = [
+        threading.Thread(target=send, args=(rd, DEAD_DECODE_TOKENS), daemon=True),
+        threading.Thread(target=send, args=(rp, 2), daemon=True),
+    ]
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
+        leases = a.get("/admin/leases", admin=True).json()
+        assert {(o or {}).get("holder") for o in leases["owners"].values()} == {a.replica_id}, leases
+        threads[0].start()  # prefilled at the pool's formula (1 ms), then a long generation
+        wait_for(lambda: rd in decoding(), 30, what="B's first request decoding")
+        for p in prefills:  # from now on a prefill batch runs for 600 s
+            assert worker_call(p.address, "configure", formula=DEAD_PREFILL_FORMULA)["ok"]
+        threads[1].start()
+        wait_for(lambda: prefill_running(rp), 30, what="B's second request's batch running")
+
+        b.kill()  # SIGKILL by PID: B's membership lapses, nothing of it answers again
+        wait_for(lambda: state(rd) == state(rp) == "owner_lost", 30, what="both ended owner_lost")
+        # Too soon to cancel: a stalled origin may still wake within cancel_after_s.
+        assert rd in decoding() and prefill_running(rp), "cancelled before cancel_after_s"
+
+        def prefill_record() -> dict | None:
+            for p in prefills:
+                for rec in finished_records(p.address, marks[p.address]):
+                    if rec["request_id"] == rp:
+                        return rec
+            return None
+
+        rec = wait_for(prefill_record, 120, interval=0.5, what="B's prefill ended on its engine")
+        assert rec["status"] == "cancelled", rec  # not its 600 s batch run to the end
+        wait_for(lambda: rd not in decoding(), 60, what="B's generation ended on its engine")
+        assert int(worker_call(d.address, "status")["running"]) == 0
+        reconciled = {
+            k: _metric(a, "flexlb_reconciled_total", kind=k)
+            for k in ("record_owner_lost", "engine_cancelled")
+        }
+        assert reconciled == {"record_owner_lost": 2, "engine_cancelled": 2}, reconciled
     finally:
-        for t in tasks:
-            t.cancel()
-        await r.aclose()
-    assert counts.get("record_owner_lost") == 2 and counts.get("engine_cancelled") == 2, counts
-    results = [x for ev in prefill_events if ev.event == "results" for x in ev.results]
-    assert [x["status"] for x in results] == ["cancelled"], prefill_events
-    assert decoded[-1].finish_reason == "cancelled" and sum(len(e.tokens) for e in decoded) < 100_000
-    assert took < 5.0, took  # not the batch's 20 s
-    assert (await d.status())["running"] == 0
+        b.kill()
+        a.stop()
+        for th in threads:
+            if th.is_alive():
+                th.join(30)
+        r.close()
 
 
-async def _aw(x):  # type: ignore[no-untyped-def]
-    return x
+def _metric(gw: Gateway, name: str, **labels: str) -> float:
+    """The sum of a metric's series that carry ``labels``, from the replica's /metrics."""
+    total = 0.0
+    for line in gw.get("/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 # ---- case 5b's cause: a claim that fails part-way ------------------------------------------------

@@ -18,7 +18,8 @@ from typing import Any, Protocol
 import numpy as np
 import redis.asyncio as aioredis
 
-from app.cluster.health import HealthChange, WorkerHealth
+from app import metrics as M
+from app.cluster.health import HealthChange, Miss, WorkerHealth
 from app.cluster.loops import LoopHealth
 from app.cluster.membership import LuaScript
 from app.rpc.worker_client import WorkerClient
@@ -91,7 +92,8 @@ class WorkerPoller:
         *,
         interval_ms: int = 200,
         deadline_ms: int = 500,
-        down_after: int = 2,
+        down_after: int = 1,
+        slow_down_after: int = 5,
         is_valid: Callable[[], bool] = lambda: True,
         on_health: Callable[[str, HealthChange], Awaitable[None]] | None = None,
         on_status: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
@@ -105,7 +107,7 @@ class WorkerPoller:
         self.store = store
         self.interval_s = interval_ms / 1000
         self.deadline_s = deadline_ms / 1000
-        self.health = WorkerHealth(down_after=down_after)
+        self.health = WorkerHealth(down_after=down_after, slow_down_after=slow_down_after)
         self.is_valid = is_valid
         self.on_health = on_health
         self.on_status = on_status  # every successful poll while the lease is valid (ledger audit)
@@ -162,9 +164,11 @@ class WorkerPoller:
             epoch = st["epoch"]
             if st.get("resync") or (self.health.epoch and epoch != self.health.epoch):
                 self.since_seq = 0
-        except Exception as exc:  # timeout, refused, broken stream: all count as one failure
-            await self._changed(self.health.failure())
-            log.debug("poll %s failed: %s", self.wid, exc)
+        except Exception as exc:  # timeout (slow), refused or broken stream (failed): one miss
+            miss = Miss.SLOW if _timed_out(exc) else Miss.FAILED
+            (M.WORKER_POLLS_SLOW if miss is Miss.SLOW else M.WORKER_POLLS_FAILED).labels(self.wid).inc()
+            await self._changed(self.health.failure(miss))
+            log.debug("poll %s missed (%s): %s", self.wid, miss, exc)
             if not self.health.routable and self.is_valid():
                 # Health is the owner's own verdict, not the worker's: written directly (the worker's
                 # seq did not move, so the only-newer-wins snapshot script would refuse it).
@@ -270,11 +274,18 @@ class WorkerPoller:
         if change is None:
             return
         log.info(
-            "worker %s health %s -> %s%s",
+            "worker %s health %s -> %s%s%s",
             self.wid,
             change.before,
             change.after,
             " (new epoch)" if change.epoch_changed else "",
+            f" after {change.misses} missed poll{'s' * (change.misses != 1)}" if change.misses else "",
         )
         if self.on_health is not None:
             await self.on_health(self.wid, change)
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """The poll ran past its deadline (our `wait_for`, or gRPC's own deadline): the worker may only
+    be slow. Anything else (refused, reset, an error answer) says it is not there."""
+    return isinstance(exc, TimeoutError) or bool(getattr(exc, "timed_out", False))

@@ -100,6 +100,7 @@ class Ownership:
             interval_ms=self.settings.poll_interval_ms,
             deadline_ms=self.settings.poll_deadline_ms,
             down_after=self.settings.down_after_failures,
+            slow_down_after=self.settings.down_after_slow_polls,
             # Not while stopping either: a cancel that lands inside a gRPC call comes back as an
             # RPC error (grpc.aio swallows the CancelledError), so the poll loop would carry on
             # and stop() would wait for it forever; this makes the loop end by itself.

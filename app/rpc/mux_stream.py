@@ -48,7 +48,13 @@ _ASK_FINAL = "triton_enable_empty_final_response"
 
 
 class WorkerUnavailable(ConnectionError):
-    """The worker did not answer (connection refused, deadline, stream broken)."""
+    """The worker did not answer (connection refused, deadline, stream broken). ``timed_out``: the
+    call ran past its deadline, so the worker may only be slow (the poller's health tells these
+    apart, app/cluster/health.py)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class _Broken:
@@ -206,7 +212,7 @@ class StreamMux:
                             item = await q.get()
                     except TimeoutError:
                         s.retire()  # the connection may be why: new calls get a fresh stream
-                        raise WorkerUnavailable(f"{self._label}: deadline exceeded") from None
+                        raise WorkerUnavailable(f"{self._label}: deadline exceeded", timed_out=True) from None
                 else:
                     item = await q.get()
                 if isinstance(item, _Broken):

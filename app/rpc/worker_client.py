@@ -230,7 +230,8 @@ class WorkerClient:
                 yield _Result(resp.infer_response)
             finished = True
         except grpc.aio.AioRpcError as exc:
-            raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}") from exc
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            raise WorkerUnavailable(f"{self.address} {model}: {_short(exc)}", timed_out=slow) from exc
         finally:
             if not finished:
                 call.cancel()
