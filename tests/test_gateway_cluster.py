@@ -134,7 +134,8 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
     request `worker_error` and settles the batch while the worker is still down. (The owner's
     old-epoch sweep on restart, `Ownership.settle_epoch`, is a backstop for a batch that outlived
     its stream; with a live owner the stream's end always settles first, so it is not what this
-    test pins.) The test starts its own worker, so the pool's is never killed."""
+    test pins: tests/test_epoch_settle_live.py does.) The test starts its own worker, so the pool's
+    is never killed."""
     own = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1")
     port = own.ready["grpc_port"]
     wid = f"prefill@{own.address}"
