@@ -162,10 +162,12 @@ class Ownership:
         complete there. The batching work extends this to re-dispatch; here the ledger is cleared
         so owed time does not count work that no longer exists."""
         ledger = await self.store.read_ledger(wid)
+        settled = 0
         for bid, entry in ledger.items():
             if str(entry.get("epoch", old_epoch)) in (old_epoch, ""):
                 await self.store.settle_batch(wid, bid)
-        log.info("worker %s restarted (old epoch %s): settled %d batches", wid, old_epoch, len(ledger))
+                settled += 1
+        log.info("worker %s restarted (old epoch %s): settled %d batches", wid, old_epoch, settled)
 
     def resync(self) -> None:
         """Redis came back empty: every poller republishes a full snapshot and cache."""
