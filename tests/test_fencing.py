@@ -1,6 +1,11 @@
 """Issue 14 Deliver 3: every owner write that changes shared state is fenced by the owner lease or
 provably safe when a stale owner repeats it (docs/state.md "Fencing rule"). Here a stale owner's
-poller runs against a newer holder's lease on the real Redis and a real worker."""
+poller runs against a newer holder's lease on the real Redis and a real worker.
+
+Fault injection, said so: the newer holder's lease value is written by the test (`SET
+owner_lease`), the same value a replica's lease loop would write on taking the lease over. Making a
+real replica win the lease while this poller still believes itself the owner needs a paused
+process across the lease TTL; the write stages that moment exactly, and nothing else is faked."""
 
 from __future__ import annotations
 
