@@ -314,7 +314,10 @@ def export_worker_snapshot(worker: str, snap: Mapping[str, Any], mirror_blocks: 
     if snap.get("health"):
         WORKER_UP.labels(worker).set(1 if snap["health"] == "up" else 0)
     CACHE_MIRROR_BLOCKS.labels(worker).set(mirror_blocks)
-    WORKER_EPOCH_CHANGES.labels(worker)  # a 0 series from the start, so increase() sees the first restart
+    # 0 series from the start, so increase() sees the first restart or missed poll
+    WORKER_EPOCH_CHANGES.labels(worker)
+    WORKER_POLLS_SLOW.labels(worker)
+    WORKER_POLLS_FAILED.labels(worker)
 
 
 # ---- rejections, batch prediction, cache hits ---------------------------------------------------

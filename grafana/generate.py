@@ -307,6 +307,16 @@ def workers() -> dict:
                 description="1 up, 0 down",
             ),
             ts(
+                "Missed polls",
+                (f"sum by (worker) (increase(flexlb_worker_polls_slow_total{W}[{R}]))", "{{worker}} slow"),
+                (
+                    f"sum by (worker) (increase(flexlb_worker_polls_failed_total{W}[{R}]))",
+                    "{{worker}} failed",
+                ),
+                description="A failed poll marks the worker down at once; slow ones only after "
+                "FLEXLB_DOWN_AFTER_SLOW_POLLS misses in a row",
+            ),
+            ts(
                 "KV cache used",
                 (
                     f"1 - max by (worker) (flexlb_worker_kv_free_tokens{W})"
