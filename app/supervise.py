@@ -35,6 +35,7 @@ log = logging.getLogger("flexlb.supervise")
 
 #: Set by the supervisor in a child's environment: the pid the child must not outlive.
 PARENT_ENV = "FLEXLB_DIE_WITH_PARENT"
+HURRY_RESEND_S = 0.25  # how often a hurried child gets its exit-now signal again (see Proc.finish)
 _PR_SET_PDEATHSIG = 1
 
 
@@ -159,11 +160,17 @@ class Proc:
         deadline = time.monotonic() + timeout
         how = "exited"
         hurried = False
+        resend_at = 0.0
         while self.popen.poll() is None:
-            if hurry.is_set() and not hurried:
-                hurried, how = True, "second signal"
+            if hurry.is_set() and time.monotonic() >= resend_at:
+                # Re-sent until it exits: a SIGTERM that arrives before the child's handler for
+                # the first one has run merges with it (one pending flag per signal), so the child
+                # would do a full clean stop (Triton's takes 2-4 s) instead of exiting at once.
+                if not hurried:
+                    hurried, how = True, "second signal"
+                    deadline = min(deadline, time.monotonic() + hurry_grace_s)
                 self.signal()
-                deadline = min(deadline, time.monotonic() + hurry_grace_s)
+                resend_at = time.monotonic() + HURRY_RESEND_S
             if time.monotonic() >= deadline:
                 how = "killed"
                 with contextlib.suppress(ProcessLookupError, PermissionError):
