@@ -61,7 +61,15 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("scheduling", ("app/scheduling/", "app/request/routing_inputs.py", "app/cache/")),
-    ("hand-off + owner dispatch", ("app/dispatch/", "app/request/handoff_stage.py")),
+    (
+        "hand-off + owner dispatch",
+        (
+            "app/dispatch/",
+            "app/request/record_stage.py",
+            "app/request/handoff_round_trip.py",
+            "app/request/handoff_stage.py",
+        ),
+    ),
     ("request pipeline (other)", ("app/request/",)),
     (
         "ASGI middleware + routing",

@@ -32,7 +32,7 @@ from .gateways import start_gateway, wait_for
 
 
 def _own_handoff_cmd(keys: Keys, wid: str, rid: str, lease: str, consumer: str = "me") -> list[Any]:
-    """The arguments of an owner's own `handoff` call (as `HandoffStage._record_and_append`)."""
+    """The arguments of an owner's own `handoff` call (as `HandoffRoundTrip._record_and_append`)."""
     meta = f'{{"rid":"{rid}","origin":"{consumer}","pred":1.0}}'
     return [
         [keys.queue(wid), keys.queued_ms(wid), keys.ledger(wid), keys.owner_lease(wid)],

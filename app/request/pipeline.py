@@ -21,7 +21,9 @@ from app import metrics as M
 from app.gateway.errors import ApiError
 from app.request.decode_stage import DecodeStage
 from app.request.endings import Endings
+from app.request.handoff_round_trip import HandoffRoundTrip
 from app.request.handoff_stage import HandoffStage
+from app.request.record_stage import RecordStage
 from app.request.routing_inputs import RoutingInputs
 from app.request.types import ENGINE_TO_API, TERMINAL, GenRequest, NotStarted, Progress, StoredOutcome
 from app.scheduling.reserve import DecodeHoldMirror, OutputLengthEstimator
@@ -36,7 +38,7 @@ __all__ = ["ENGINE_TO_API", "TERMINAL", "GenRequest", "Pipeline", "Progress", "S
 log = logging.getLogger("flexlb.request")
 
 
-class Pipeline(RoutingInputs, HandoffStage, DecodeStage, Endings):
+class Pipeline(RoutingInputs, RecordStage, HandoffRoundTrip, HandoffStage, DecodeStage, Endings):
     def __init__(self, **collaborators: Any) -> None:
         """``collaborators``: the keywords of `RequestContext` (the replica's services, named)."""
         super().__init__(**collaborators)

@@ -157,7 +157,8 @@ class Tenants:
 @dataclass
 class LimitCheck:
     """A limited tenant's check, pending until the request's first round trip (the record, the
-    decode hold and the hand-off: app/request/handoff_stage.py) carries it in one script."""
+    decode hold and the hand-off: app/request/handoff_round_trip.py, or the record and decode hold
+    of a client's id: app/request/record_stage.py) carries it in one script."""
 
     tenants: Tenants
     tenant: str

@@ -1,0 +1,125 @@
+"""The origin's request record (DESIGN §3 step 5): the lifecycle record, this origin's live-set
+entry and the decode KV reservation, and a refused reservation's retry elsewhere; with the round
+trip every write of the request path goes through (tenant limit, NOSCRIPT reload)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from app import metrics as M
+from app.gateway.errors import ApiError
+from app.request.context import RequestContext
+from app.request.types import TERMINAL, GenRequest, Progress, StoredOutcome
+from app.scheduling.routing import NoWorker
+from app.state.store import request_fields
+
+
+class RecordStage(RequestContext):
+    """A stage of `Pipeline` (app/request/pipeline.py), which composes them over one replica: the
+    record and decode hold for a client-given id (a gateway id records in the hand-off's round
+    trip, app/request/handoff_round_trip.py)."""
+
+    async def _record(self, req: GenRequest, p: Progress) -> None:
+        """One round trip: the lifecycle record (refused when the id exists), this origin's
+        live-set entry (the master reaps our requests through it if we die) and the decode KV
+        reservation — so the hand-off is the second and last round trip before prefill."""
+        rid = req.request_id
+        dec = p.decode_worker
+        fields = self._record_fields(req, p)
+        args = [self.replica_id, *request_fields(fields)]
+        cmds: list[list[Any]] = [
+            ["SADD", self.keys.origin_requests(self.replica_id), rid],
+            ["EVALSHA", self.store.sha("create_request"), 1, self.keys.request(rid), *args],
+        ]
+        if dec:
+            cap = int(float(self.fleet.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
+            need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
+            cmds.append(self.store.reserve_cmd(dec, rid, need, cap, *self.decode_hold_blocks(req, p)))
+        res = await self._round_trip(cmds, req)  # refused by the tenant's limit: nothing written
+        created = res[1]
+        held = int(res[2]) if dec else -1
+        if int(created) != 1:
+            if held == 1:  # our own fresh hold for a refused duplicate (2 = the original's: keep it)
+                await self.store.release(dec, rid)
+            rec = await self.store.get_request(req.request_id)
+            if rec is None or rec.get("origin") != self.replica_id:
+                await self.redis.srem(self.keys.origin_requests(self.replica_id), req.request_id)
+            if rec is not None and rec.get("state") in TERMINAL:
+                raise StoredOutcome(rec.get("outcome") or {"state": rec.get("state")})
+            raise ApiError("duplicate_request", f"request {req.request_id!r} is still running")
+        p.stage = "recorded"
+        self._log("queued", req, p)
+        if dec:
+            if held == 0 and not await self._reserve_elsewhere(req, p):
+                raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
+            p.stage = "reserved"
+            self.note_decode_hold(req, p)
+
+    def _record_fields(self, req: GenRequest, p: Progress) -> dict[str, Any]:
+        """The record carries its holds from creation (issue 14): the decode worker and the
+        tokens held there, and the prefill worker when already chosen — so the reconciler and the
+        reaper of a dead origin can release them without trusting the origin to have written its
+        terminal state."""
+        fields: dict[str, Any] = {
+            "endpoint": req.endpoint,
+            "input_tokens": len(req.input_ids),
+            "trace_id": req.trace_id,
+        }
+        if p.decode_worker:
+            fields["decode_worker"] = p.decode_worker
+            fields["decode_tokens"] = len(req.input_ids) + req.max_new_tokens
+        if p.prefill_worker:
+            fields["prefill_worker"] = p.prefill_worker
+        return fields
+
+    async def _round_trip(
+        self,
+        cmds: list[list[Any]],
+        req: GenRequest | None = None,
+        on_last: Callable[[Any], None] | None = None,
+    ) -> list[Any]:
+        """One round trip; the scripts answered NOSCRIPT (Redis restarted and lost them) are loaded
+        and rerun (`StateStore.execute_scripts`). Any other error reply is raised. `on_last`: the
+        last command's reply as it arrives, even if this call is cancelled meanwhile.
+
+        The request's first round trip carries its tenant's limit check when it has one: the
+        commands then run inside the check's script, only if it passed (a pipeline cannot make
+        its later commands depend on an earlier one), and a refusal raises 429 `rate_limited`."""
+        if req is not None and req.limit is not None:
+            check, req.limit = req.limit, None  # once per request: a second hand-off is the same request
+            res = await check.run(req.request_id, cmds, on_last)
+        else:
+            res = await self.store.execute_scripts(cmds, on_last)
+        for x in res:
+            if isinstance(x, ResponseError):
+                raise x
+        return res
+
+    async def _reserve_elsewhere(self, req: GenRequest, p: Progress, tries: int = 2) -> bool:
+        """The chosen decode worker refused the reservation: the snapshot we ranked on was older
+        than other replicas' reservations. Try the next best workers (up to `tries`, one round trip
+        each) before answering 429; the simulator showed most such refusals fit elsewhere."""
+        refused = {p.decode_worker}
+        need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
+        for _ in range(tries):
+            views = [v for v in self.views("decode") if v.id not in refused]
+            try:
+                dq = self.decode_query(req, p, need)
+                dec = self.runtime.decode_strategy.choose(dq, views, self.rng)
+            except NoWorker:
+                return False
+            cap = int(float(self.fleet.snapshots.get(dec.worker_id, {}).get("kv_total_tokens", 0) or 0))
+            M.DECODE_RESERVE_RETRIES.inc()
+            if await self.store.reserve(
+                dec.worker_id, req.request_id, need, cap, *self.decode_hold_blocks(req, p)
+            ):
+                p.decode_worker = dec.worker_id
+                # The record names where the hold is (the reconciler and the reaper release it
+                # from there); the first choice held nothing.
+                await self.redis.hset(self.keys.request(req.request_id), "decode_worker", dec.worker_id)
+                return True
+            refused.add(dec.worker_id)
+        return False
