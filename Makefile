@@ -27,8 +27,9 @@ install-engine: $(ENGINE_STAMP)
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay one per file): the
 # suite mostly waits on the processes it starts (Triton workers, gateways, fixed fault windows),
-# and serial it kept ~0.5 of 2 cores busy (test_gateway_cluster: 38 s of CPU in 80 s). Each worker
-# has its own session pool of Triton workers and embedded Redis. TEST_WORKERS=0: one process.
+# and serial it kept ~0.5 of 2 cores busy (test_gateway_cluster, since split into
+# test_gateway_cluster_state and test_gateway_admin: 38 s of CPU in 80 s). Each worker has its own
+# session pool of Triton workers and embedded Redis. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: $(ENGINE_STAMP)
 	FLEXLB_REQUIRE_ENGINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)

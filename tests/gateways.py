@@ -121,3 +121,8 @@ def wait_for(cond: Any, timeout: float, interval: float = 0.05, what: str = "con
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last={last!r}")
+
+
+def specs(pool: dict[str, list[Any]]) -> str:
+    """The ``--workers`` argument naming every worker of the session pool (``role@address``)."""
+    return ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)

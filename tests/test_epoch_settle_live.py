@@ -2,7 +2,7 @@
 both its stream and its owner, on a worker that then restarted.
 
 With a live owner the batch's stream breaks when the worker dies and the owner settles it at once
-(tests/test_gateway_cluster.py::test_worker_down_on_kill_and_hang_back_with_new_epoch), so the
+(tests/test_gateway_cluster_state.py::test_worker_down_on_kill_and_hang_back_with_new_epoch), so the
 sweep never has anything left to do there. It only has work when nobody was there to see the
 stream break: the owner replica is SIGKILLed while its batch runs, a peer takes over the lease and
 *adopts* the request (the worker still has it running, so the claim neither settles the batch nor
