@@ -24,7 +24,8 @@ from dataclasses import replace
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig
 from app.sim.run import batcher_config, prepare_trace
-from bench.cliff import _flags, specs, workloads
+from bench.cliff_specs import spec_flags, specs
+from bench.cliff_workloads import workloads
 
 DECODE_REFUSALS = ("decode_reserve_refused", "decode_no_kv_headroom")
 
@@ -176,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     for load in (float(x) for x in args.loads.split(",")):
         tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
         for spec in specs(args.policies.split(",")):
-            flags = _flags(spec.name)
+            flags = spec_flags(spec.name)
             c = replace(cfg, **dict(flags)) if flags else cfg
             sim = DiagSim(tr, c, spec.strategy, batcher_config(spec.batching, c.slo_ttft_ms, None))
             sim.run()
