@@ -37,7 +37,7 @@ def ceiling(tr: Trace, cfg: SimConfig, pols: list[PolicySpec]) -> dict[str, floa
     out = {"bound": sum(bound) / sum(cold)}
     for p in pols:
         flags = spec_flags(p.name)
-        cfg_p = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+        cfg_p = replace(cfg, **dict(flags)) if flags else cfg
         recs = run_simulation(tr, cfg_p, [p]).records[p.name]
         served = [i for i, r in enumerate(recs) if r.ttft_ms is not None]
         work = sum(f.predict_one(recs[i].input_tokens, recs[i].cached_tokens) for i in served)
@@ -137,7 +137,7 @@ def run_lost(args: argparse.Namespace) -> int:
             for p in specs(args.policies.split(",")):
                 flags = spec_flags(p.name)
                 cfg = SimConfig(prefill=args.prefill, decode=args.decode, replicas=nrep)
-                cfg = replace(cfg, **dict.fromkeys(flags, True)) if flags else cfg
+                cfg = replace(cfg, **dict(flags)) if flags else cfg
                 for load in (float(x) for x in args.loads.split(",")):
                     tr, _ = prepare_trace(trace, cfg, load=load, copies=None, max_requests=None, slice_=None)
                     d = lost_hits(tr, cfg, p.strategy)
