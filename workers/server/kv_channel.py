@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import contextlib
 import hmac
 import json
 import logging
@@ -259,7 +258,9 @@ class KvClaimClient:
         raise AssertionError("unreachable")
 
     async def close(self) -> None:
-        for conn in self._conns.values():
-            with contextlib.suppress(Exception):
+        for peer, conn in self._conns.items():
+            try:
                 conn.close()
+            except (OSError, RuntimeError) as exc:  # a transport already gone or its loop closed
+                log.debug("kv channel to %s: close failed: %s", peer, exc)
         self._conns.clear()

@@ -418,7 +418,7 @@ class TritonHost:
 
     def _shm_prefix(self) -> str:
         """This server's shm name prefix; PyTriton keeps it privately, so fall back to our pid."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(AttributeError, KeyError, TypeError):  # PyTriton's private layout
             prefix = self._triton._python_backend_config["shm-region-prefix-name"]
             if isinstance(prefix, str) and prefix.startswith(SHM_PREFIX):
                 return prefix

@@ -10,7 +10,6 @@ routes the core's effects to the streams that wait for them.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import uuid
@@ -105,10 +104,14 @@ class WorkerService(PrefillModel, DecodeModel, ControlModel):
             self.side.run(self.kv_server.start(kv_bind, self.cfg.kv_port or free_port(kv_bind)))
 
     def stop(self) -> None:
-        with contextlib.suppress(Exception):
+        """Close the KV channel, then the side loop and the engine runner; a channel that fails
+        to close must not keep the engine running, so its failure is logged and the stop goes on."""
+        try:
             if self.kv_server is not None:
                 self.side.run(self.kv_server.close(), timeout=5)
             self.side.run(self.kv_client.close(), timeout=5)
+        except Exception:
+            log.warning("KV channel close failed; stopping the engine anyway", exc_info=True)
         self.side.stop()
         self.runner.stop()
 
