@@ -1,6 +1,8 @@
 """A TCP proxy in front of the real Redis, for faults that happen on the wire: the connection
-drops (`down()`: every open connection is reset and new ones are refused) or a share of the
-traffic is lost (`flaky(p)`: each chunk forwarded resets its connection with probability p).
+drops (`down()`: every open connection is reset and new ones are refused), a share of the
+traffic is lost (`flaky(p)`: each chunk forwarded resets its connection with probability p), or
+the next commands are lost (`drop_next(n)`: the next n chunks a client sends reset their
+connections instead of reaching Redis).
 
 This is not a fake Redis: every command reaches the real server, and what the gateway sees is what
 it sees when a network path or a Redis restart breaks its sockets (ConnectionError, timeouts,
@@ -27,6 +29,7 @@ class FaultProxy:
         self.rng = random.Random(seed)
         self.loss = 0.0  # probability that a forwarded chunk resets its connection
         self.resets = 0
+        self.drops = 0  # client chunks still to drop (drop_next)
         self._down = False
         self._writers: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
@@ -47,6 +50,11 @@ class FaultProxy:
 
     def flaky(self, loss: float) -> None:
         self.loss = loss
+
+    def drop_next(self, n: int = 1) -> None:
+        """The next `n` chunks a client sends reset their connection: an open, healthy-looking
+        pooled socket whose next command fails, which no client can detect before sending."""
+        self.drops = n
 
     def close(self) -> None:
         self._down = True
@@ -79,10 +87,13 @@ class FaultProxy:
             return
         self._writers.update((cw, sw))
 
-        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, upstream: bool) -> None:
             try:
                 while data := await r.read(65536):
-                    if self._down or (self.loss and self.rng.random() < self.loss):
+                    dropped = upstream and self.drops > 0
+                    if dropped:
+                        self.drops -= 1
+                    if self._down or dropped or (self.loss and self.rng.random() < self.loss):
                         self.resets += 1
                         break
                     w.write(data)
@@ -95,4 +106,4 @@ class FaultProxy:
                 self._writers.discard(cw)
                 self._writers.discard(sw)
 
-        await asyncio.gather(pump(cr, sw), pump(sr, cw))
+        await asyncio.gather(pump(cr, sw, True), pump(sr, cw, False))

@@ -1,7 +1,7 @@
 """The replica's Redis probe (`app.state.connect.ping`, its `redis_watch`) tells a pooled socket the
 server closed (what a Redis restart leaves in redis-py's pool, each failing its first use however
-late) from a Redis that is gone. Real Redis; the server closes the connection for real
-(`CLIENT KILL`), as the restarted server's predecessor did."""
+late) from a Redis that is gone. Real Redis; the broken socket is a real reset on the wire
+(tests/faultproxy.py), as a restarted server's predecessor leaves it."""
 
 from __future__ import annotations
 
@@ -11,23 +11,30 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from app.state.connect import ping
 
+from .faultproxy import FaultProxy
 from .gateways import free_port
 
 
 async def test_a_pooled_connection_the_server_closed_is_not_a_redis_down(redis_url: str) -> None:
-    client = aioredis.from_url(redis_url, socket_timeout=2.0)
-    killer = aioredis.from_url(redis_url)
+    """A pooled socket that breaks on its next use (after a Redis restart, or a connection the
+    server or a middlebox closed) must not read as "Redis down". Whether redis-py notices a
+    server-closed idle socket before using it changed between its releases (8.1 did not, 7.4 and
+    8.2 do), so the broken socket here is made on the wire: the proxy resets the connection
+    that carries the next command, which no client can see coming."""
+    proxy = FaultProxy(redis_url)
+    client = aioredis.from_url(proxy.url, socket_timeout=2.0)
     try:
         await client.ping()
-        await killer.client_kill_filter(_id=await client.client_id())
-        with pytest.raises(RedisConnectionError):  # what the watch saw: one PING, one stale socket
+        proxy.drop_next(1)
+        with pytest.raises(RedisConnectionError):  # what the watch saw: one PING, one broken socket
             await client.ping()
         await client.ping()
-        await killer.client_kill_filter(_id=await client.client_id())
+        proxy.drop_next(1)
         await ping(client, 1.0)  # the probe retries on a fresh connection: Redis is up
+        assert proxy.resets == 2 and proxy.drops == 0
     finally:
         await client.aclose()
-        await killer.aclose()
+        proxy.close()
 
 
 async def test_a_redis_that_is_gone_still_fails_the_probe() -> None:
