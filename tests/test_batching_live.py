@@ -108,7 +108,14 @@ def test_idle_then_full_batches_shared_by_both_replicas(one_prefill_cluster) -> 
             body = {"prompt": "lone " * 50, "max_new_tokens": 2}
             lone = (await c.post(a.url + "/v1/generate", json=body)).json()
             await _formula(one_prefill_cluster, "20000")
-            body = {"prompt": "blocker " * 50, "max_new_tokens": 2, "request_id": blocker_id}
+            # its deadline fits the 20 s: once the owner's poll has published the slow formula, a
+            # default deadline (the 3 s SLO) would turn the blocker away as slo_unattainable
+            body = {
+                "prompt": "blocker " * 50,
+                "max_new_tokens": 2,
+                "request_id": blocker_id,
+                "deadline_ms": 120_000,
+            }
             busy = asyncio.create_task(c.post(a.url + "/v1/generate", json=body))
             # the blocker runs on the worker: the worker is busy
             await asyncio.to_thread(wait_for, blocker_running, 30, what="the blocker running")

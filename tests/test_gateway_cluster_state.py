@@ -107,7 +107,9 @@ def test_owners_spread_and_move_when_a_replica_dies(two_gateways, worker_pool, r
 
 
 def test_embedded_redis_survives_the_replica_that_started_it(worker_pool, cluster, tmp_path) -> None:
-    gw = start_gateway(tmp_path, None, cluster, specs(worker_pool), FLEXLB_EMBEDDED_REDIS_IDLE_S="5")
+    # Idle 15 s: the second replica below must reach Redis before it counts as idle, and a
+    # gateway takes 2-3 s to start on a quiet box but over 8 s on a loaded one (5 s failed in CI).
+    gw = start_gateway(tmp_path, None, cluster, specs(worker_pool), FLEXLB_EMBEDDED_REDIS_IDLE_S="15")
     first = json.loads(gw.log().splitlines()[0])
     assert first["msg"].startswith("redis_url=redis://127.0.0.1:")
     url = first["msg"].split("=", 1)[1]
@@ -122,7 +124,7 @@ def test_embedded_redis_survives_the_replica_that_started_it(worker_pool, cluste
     finally:
         b.stop()
     # no replica heartbeats any more: the embedded Redis exits by itself after its idle time
-    wait_for(lambda: not _ping(url), 30, interval=0.5, what="embedded redis exits when idle")
+    wait_for(lambda: not _ping(url), 60, interval=0.5, what="embedded redis exits when idle")
 
 
 def test_worker_down_on_kill_and_hang_back_with_new_epoch(
