@@ -16,10 +16,10 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/flexlb
 
 # Dependencies first, from pyproject alone, so a source edit does not re-download Triton (~500 MB).
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt \
+    && pip install -c constraints.txt -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
 COPY app ./app

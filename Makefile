@@ -6,24 +6,34 @@ STAMP := $(VENV)/.installed
 ENGINE_STAMP := $(VENV)/.installed-engine
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install install-engine test lint run bench client clean
+.PHONY: install install-engine lock test lint run bench client clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the versions the suite last passed with (its header says why; `make lock` refreshes it).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # The real-model engine's extra (torch + transformers): `make test` needs it, `make install` does
 # not. torch goes first, pinned: an unpinned resolve would pull a multi-GB CUDA build.
-$(ENGINE_STAMP): $(STAMP) pyproject.toml
+$(ENGINE_STAMP): $(STAMP) pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q '$(TORCH_PIN)'
-	$(BIN)/python -m pip install -q -e '.[dev,engine]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,engine]'
 	touch $(ENGINE_STAMP)
 
 install: $(STAMP)
 
 install-engine: $(ENGINE_STAMP)
+
+# Re-resolve every dependency to its newest release and record it: run `make test` after, and
+# commit constraints.txt only if it passes.
+lock:
+	rm -rf .venv-lock && $(PY) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q '$(TORCH_PIN)'
+	.venv-lock/bin/python -m pip install -q -e '.[dev,engine]'
+	{ sed -n '/^#/p' constraints.txt; .venv-lock/bin/python -m pip freeze | grep -v -i -E '^-e|^flexlb|^torch=='; } > constraints.new
+	mv constraints.new constraints.txt && rm -rf .venv-lock
 
 # Two pytest-xdist workers, one test file each at a time (module fixtures stay one per file): the
 # suite mostly waits on the processes it starts (Triton workers, gateways, fixed fault windows),
