@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from app import metrics as M
 from app.dispatch.items import QueueItem
 from app.rpc.worker_client import WorkerUnavailable
+from app.state.retry import TRANSIENT
+from app.state.store import TERMINAL
 
 if TYPE_CHECKING:
     from app.cluster.leases import Lease
@@ -92,8 +94,9 @@ class OwnerAdopt:
 
         It ran on the old process only, which is gone, so this is its first run on the new one;
         the engine's own guards still answer `duplicate` for a request id live there (followed,
-        not answered, through `_redispatched`), and the commit drops a request its origin's
-        reaper tombstoned meanwhile (answered `cancelled`). The dispatch carries the owner's view
+        not answered, through `_redispatched`). A request already ended (its origin's reaper
+        ended it `owner_lost`, or it was cancelled) is answered `cancelled`, not run, and the
+        commit drops one ended between that check and its batch. The dispatch carries the owner's view
         of the epoch, so the re-run waits (bounded) for that view to learn the new one: dispatched
         under the old epoch it would be refused `epoch_mismatch` (and retried once, see
         `VIEW_WAIT_S`). Counted `flexlb_owner_claimed_total{outcome="rerun"}`."""
@@ -102,17 +105,32 @@ class OwnerAdopt:
             await asyncio.sleep(0.05)
         if not self.lease.is_valid():
             return  # the entry stays pending: the next owner claims it
-        log.warning(
-            "owner %s: worker restarted (epoch %s) under adopted request %s: running it again",
-            self.wid,
-            new_epoch,
-            item.request_id,
-        )
-        M.CLAIMED.labels("rerun").inc()
-        self._redispatched[item.request_id] = batch_id
-        self.admit(item, time.time() * 1000)
+        if await self._ended(item.request_id):
+            # Its origin's reaper (a dead origin, DESIGN §6) or a cancel ended it: nobody waits
+            # for a re-run. Answered under no batch: the old one is the sweep's (`_settle_old`).
+            await self._reply(item, "", {"status": "cancelled", "error": "ended before its re-run"})
+        else:
+            log.warning(
+                "owner %s: worker restarted (epoch %s) under adopted request %s: running it again",
+                self.wid,
+                new_epoch,
+                item.request_id,
+            )
+            M.CLAIMED.labels("rerun").inc()
+            self._redispatched[item.request_id] = batch_id
+            self.admit(item, time.time() * 1000)
         if batch_id:
             await self._settle_old(item, batch_id)
+
+    async def _ended(self, rid: str) -> bool:
+        """Whether the request's record is terminal. Unknown (Redis failed) counts as not: the
+        commit still drops a request its origin's reaper tombstoned."""
+        try:
+            rec = await self.store.get_request(rid)
+        except TRANSIENT as exc:
+            log.warning("owner %s: reading %s before its re-run failed: %s", self.wid, rid, exc)
+            return False
+        return rec is not None and rec.get("state") in TERMINAL
 
     async def _settle_old(self, item: QueueItem, batch_id: str) -> None:
         """The re-run request's old batch will never be answered: the old-epoch sweep settles it
@@ -120,15 +138,18 @@ class OwnerAdopt:
         the ledger after `SWEEP_WAIT_S` (no sweep ran: the poller never saw the old epoch) is its
         member settled here, so the sweep stays the one path in the common case."""
         end = time.monotonic() + SWEEP_WAIT_S
-        while time.monotonic() < end and self.lease.is_valid():
-            entry = (await self.store.read_ledger(self.wid)).get(batch_id)
-            if entry is None or item.request_id not in entry.get("members", []):
-                return
-            await asyncio.sleep(0.1)
-        if self.lease.is_valid() and await self.store.settle(self.wid, batch_id, item.request_id):
-            log.warning(
-                "owner %s: settled old-epoch batch %s of re-run %s", self.wid, batch_id, item.request_id
-            )
+        try:
+            while time.monotonic() < end and self.lease.is_valid():
+                entry = (await self.store.read_ledger(self.wid)).get(batch_id)
+                if entry is None or item.request_id not in entry.get("members", []):
+                    return
+                await asyncio.sleep(0.1)
+            if self.lease.is_valid() and await self.store.settle(self.wid, batch_id, item.request_id):
+                log.warning(
+                    "owner %s: settled old-epoch batch %s of re-run %s", self.wid, batch_id, item.request_id
+                )
+        except TRANSIENT as exc:  # the request is answered or admitted already; the audit's TTL
+            log.warning("owner %s: settling old batch %s failed: %s", self.wid, batch_id, exc)
 
 
 def _live_ids(st: dict[str, Any]) -> set[str]:
