@@ -10,7 +10,8 @@ redispatches it), and then the worker restarts. From there the old batch will ne
 adoption sees the new epoch and, the request being ended by its dead origin's reaper, answers it
 without running it again; it leaves the old batch to the sweep (settling it itself only when no
 sweep did within seconds, app/dispatch/adopt.py), and so does the ledger audit with an older
-epoch's batch (app/dispatch/ledger.py). The log and counters below show the sweep settled it. Nothing here writes state the product would not write.
+epoch's batch (app/dispatch/ledger.py). The log and counters below show the sweep settled it.
+Nothing here writes state the product would not write.
 """
 
 from __future__ import annotations
