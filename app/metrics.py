@@ -190,8 +190,15 @@ CLAIMED = Counter(
     ["outcome"],
     registry=REGISTRY,
 )
-for _o in ("delivered", "adopted", "redispatched"):
+# `rerun`: an adopted request run again, once, because its worker restarted (a new epoch) before
+# it finished there (app/dispatch/adopt.py); it is also counted `adopted`.
+for _o in ("delivered", "adopted", "redispatched", "rerun"):
     CLAIMED.labels(_o)
+DISPATCH_EPOCH_RETRIES = Counter(
+    "flexlb_dispatch_epoch_retries_total",
+    "Prefill batches sent once more under the worker's new epoch after it refused them epoch_mismatch",
+    registry=REGISTRY,
+)
 
 PREFILL_RETRIES = Counter(
     "flexlb_prefill_retries_total",

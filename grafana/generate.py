@@ -335,6 +335,10 @@ def workers() -> dict:
             ts(
                 "Restarts (epoch changes)",
                 (f"sum by (worker) (increase(flexlb_worker_epoch_changes_total{W}[{R}]))", "{{worker}}"),
+                (f"sum(increase(flexlb_dispatch_epoch_retries_total[{R}]))", "batches re-sent"),
+                description="A batch refused epoch_mismatch (the owner's view lagged a restart) is sent "
+                "once more under the new epoch; adopted requests a restart cut short are re-run "
+                "(Hand-offs taken over, outcome rerun)",
             ),
             ts(
                 "Triton requests/s",

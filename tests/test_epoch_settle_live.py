@@ -7,9 +7,11 @@ sweep never has anything left to do there. It only has work when nobody was ther
 stream break: the owner replica is SIGKILLed while its batch runs, a peer takes over the lease and
 *adopts* the request (the worker still has it running, so the claim neither settles the batch nor
 redispatches it), and then the worker restarts. From there the old batch will never finish: the
-adoption waits for a finished record until the request's deadline, and the ledger audit leaves an
-older epoch's batch to the sweep (app/dispatch/ledger.py), so without the sweep the batch stays
-owed for the request's whole timeout. Nothing here writes state the product would not write.
+adoption sees the new epoch and, the request being ended by its dead origin's reaper, answers it
+without running it again; it leaves the old batch to the sweep (settling it itself only when no
+sweep did within seconds, app/dispatch/adopt.py), and so does the ledger audit with an older
+epoch's batch (app/dispatch/ledger.py). The log and counters below show the sweep settled it.
+Nothing here writes state the product would not write.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import httpx
 import redis
 
 from app.cluster.rendezvous import assign
+from app.state.handoff import GROUP
 from app.state.keys import Keys
 
-from .conftest import start_worker, worker_call
+from .conftest import finished_records, start_worker, worker_call
 from .gateways import Gateway, start_gateway, wait_for
 
 TTL_S = 3.0  # the default owner lease TTL (FLEXLB_LEASE_TTL_MS=3000)
@@ -119,6 +122,8 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         )
         wait_for(lambda: f"worker {wid} health unknown -> up" in _messages(b), 10, what="B polls the worker")
         assert held_batch() is not None
+        # A was the request's origin too: the master's reaper ends it `owner_lost` (DESIGN §6).
+        wait_for(lambda: r.hget(keys.request(rid), "state") == b"owner_lost", 15, what="the reaper ends it")
         old_epoch = own.epoch
         # The snapshot every replica routes by counts it as committed to the worker.
         wait_for(lambda: int(r.hget(keys.snapshot(wid), "inflight_batches") or 0) == 1, 5, what="counted")
@@ -149,6 +154,12 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         assert f"worker {wid} restarted (old epoch {old_epoch}): settled 1 batches" in _messages(b)
         # The sweep, not the claim or the audit, settled it.
         assert 'flexlb_owner_claimed_total{outcome="redispatched"} 0.0' in metrics
+        # Ended, it is not run again on the new epoch (app/dispatch/adopt.py): its claimed entry
+        # is answered `cancelled` at once, not at its deadline, and nothing of it ran there.
+        wait_for(lambda: not r.xpending(keys.queue(wid), GROUP)["pending"], 10, what="the entry answered")
+        assert 'flexlb_owner_claimed_total{outcome="rerun"} 0.0' in b.get("/metrics").text
+        assert r.hget(keys.request(rid), "state") == b"owner_lost"
+        assert not [x for x in finished_records(own.address) if x["request_id"] == rid]
         assert "flexlb_ledger_late_settled_total{" not in metrics or all(
             ln.endswith(" 0.0")
             for ln in metrics.splitlines()

@@ -61,6 +61,10 @@ class OwnerClaims:
 
     def admit(self, item: QueueItem, now_ms: float) -> None: ...
 
+    if TYPE_CHECKING:  # OwnerAdopt's (adopt.py); a stub here would shadow it in the MRO
+
+        async def _adopt(self, item: QueueItem, batch_id: str, epoch: str = "") -> None: ...
+
     async def _claim_loop(self) -> None:
         """Claim the previous owner's pending entries once the lease is ours (min idle 0), then
         every `reclaim_every_s` re-claim entries idle for `reclaim_idle_ms` that no task of ours is
@@ -151,7 +155,9 @@ class OwnerClaims:
             )
         elif item.request_id in live:
             M.CLAIMED.labels("adopted").inc()
-            t = asyncio.create_task(self._adopt(item, old_batches[0] if old_batches else ""))
+            t = asyncio.create_task(
+                self._adopt(item, old_batches[0] if old_batches else "", str(st.get("epoch", "")))
+            )
             self._inflight.add(t)
             t.add_done_callback(self._inflight.discard)
         else:
@@ -166,26 +172,3 @@ class OwnerClaims:
                     log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
                 await self.store.settle(self.wid, bid, item.request_id)
             self.admit(item, time.time() * 1000)
-
-    async def _adopt(self, item: QueueItem, batch_id: str) -> None:
-        """The worker is running it for a dead owner: wait for its finished record, then deliver."""
-        since = 0
-        deadline = item.deadline_ms or (time.time() * 1000 + 120_000)
-        while time.time() * 1000 < deadline and self.lease.is_valid():
-            try:
-                st = await self.client.status(since, timeout=5.0)
-            except (WorkerUnavailable, TimeoutError) as exc:  # a blip: the deadline bounds us
-                log.debug("owner %s: adopt status of %s failed: %s", self.wid, item.request_id, exc)
-                await asyncio.sleep(0.2)
-                continue
-            for r in st.get("finished", []):
-                since = max(since, int(r["seq"]))
-                if r["request_id"] == item.request_id:
-                    await self._reply(
-                        item, r["batch_id"], {**r, "epoch": st.get("epoch", ""), "worker": self.wid}
-                    )
-                    return
-            await asyncio.sleep(0.1)
-        await self._reply(
-            item, batch_id, {"status": "worker_error", "error": "adopted request never finished"}
-        )

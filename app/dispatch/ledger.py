@@ -3,11 +3,13 @@ will (settle-on-reply's backstop, DESIGN §7) and taking refused items' predicte
 queued ms.
 
 A mixin of `OwnerDispatcher` (app/dispatch/owner.py), like `OwnerClaims`: it uses the dispatcher's
-lease, store and in-flight batches, and keeps the dispatcher under ~500 lines.
+lease, store and in-flight batches, and keeps the dispatcher under ~500 lines. Also the ledger
+re-anchors: moving a batch's anchor to where the engine really started it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -33,6 +35,8 @@ class OwnerLedger:
     _finished_seen: dict[str, float]
     _last_audit: float
     _batch_sizes: dict[str, int]
+    _marks: set[asyncio.Task[Any]]
+    _stopping: bool
 
     async def audit_ledger(
         self, st: dict[str, Any], grace_ms: float = 2000.0, ttl_ms: float = 300_000.0
@@ -102,3 +106,21 @@ class OwnerLedger:
             return
         except TRANSIENT as exc:
             log.warning("owner %s: taking %.1f refused ms off queued_ms failed: %s", self.wid, take, exc)
+
+    def _spawn_reanchor(self, moves: list[tuple[str, float]]) -> None:
+        if moves and not self._stopping:  # off the reply path, like the `dispatched` marks
+            t = asyncio.create_task(self._reanchor(moves))
+            self._marks.add(t)
+            t.add_done_callback(self._marks.discard)
+
+    async def _reanchor(self, moves: list[tuple[str, float]]) -> None:
+        """Move ledger anchors to where the engine really started those batches (one script
+        each, only when the start differs from the anchor by more than the timeline's tolerance).
+        A failed write leaves the old anchor: owed time is then off by that batch until it
+        settles, which the next poll's routing tolerates; it is logged and counted."""
+        for bid, start_ms in moves:
+            try:
+                await self.store.anchor_batch(self.wid, bid, start_ms)
+            except Exception as exc:  # Redis hiccup: the estimate stays as committed
+                M.LEDGER_ANCHOR_FAILED.inc()
+                log.warning("owner %s: re-anchoring batch %s failed: %s", self.wid, bid, exc)

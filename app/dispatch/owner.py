@@ -23,6 +23,7 @@ from app import metrics as M
 from app.cache.shared_spec import SpecOutbox
 from app.cluster.leases import Lease
 from app.cluster.loops import LoopHealth
+from app.dispatch.adopt import OwnerAdopt
 from app.dispatch.claim import OwnerClaims
 from app.dispatch.intake import OwnerIntake
 from app.dispatch.items import QueueItem, carried_keys, failure
@@ -43,7 +44,7 @@ from app.state.store import FencedOut, StateStore
 log = logging.getLogger("flexlb.owner")
 
 
-class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
+class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
     def __init__(
         self,
         wid: str,
@@ -258,13 +259,33 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
         self.wake.set()
 
     async def _dispatch(self, items: list[QueueItem], reason: str = "direct") -> None:
+        """Commit and send one batch under our view of the worker's epoch (its poller's). A batch
+        the worker refused `epoch_mismatch` before its engine saw it — it restarted and the view
+        still has the old epoch: a dispatch that raced the restart, or an adopted request's re-run
+        (adopt.py) — is committed and sent once more, under a new batch id and the epoch the
+        refusal named, instead of failing its requests: nothing of it ran, so that is its first
+        run on that epoch. Counted `flexlb_dispatch_epoch_retries_total`."""
+        again = await self._send(items, reason, self.epoch(), committed_ms(items))
+        if again is not None:
+            live, epoch = again
+            M.DISPATCH_EPOCH_RETRIES.inc()
+            log.warning(
+                "owner %s: worker epoch is now %s: batch of %d sent again", self.wid, epoch, len(live)
+            )
+            # The first commit took the members' predicted ms off queued_ms already.
+            await self._send(live, reason, epoch, 0.0, retry=False)
+
+    async def _send(
+        self, items: list[QueueItem], reason: str, epoch: str, take_ms: float, retry: bool = True
+    ) -> tuple[list[QueueItem], str] | None:
+        """One commit and prefill call; returns (live members, the worker's epoch) when the worker
+        refused the whole batch `epoch_mismatch` before accepting it and `retry` allows one more."""
         batch_id = f"b-{uuid.uuid4().hex[:16]}"
         # The ledger owes the batch's own prediction: one forward pass pays the per-batch cost
         # once, where the sum of the members' single predictions would count it n times.
         predicted = self.formula().predict_batch(
             [Pending(i.request_id, len(i.tokens), i.hit_tokens, 0.0).item for i in items]
         )
-        epoch = self.epoch()
         by_id = {i.request_id: i for i in items}
         self._batch_sizes[batch_id] = len(items)
         # Anchored where the engine will start it: behind our batches still on the worker.
@@ -289,13 +310,13 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
                 self.lease.fence,
                 self.replica_id,
                 epoch=epoch,
-                take_ms=committed_ms(items),
+                take_ms=take_ms,
                 then=marks,
             )
         except FencedOut:
             self.timeline.forget(batch_id)
             log.warning("owner %s fenced out; leaving %d entries for the new owner", self.wid, len(items))
-            return
+            return None
         except TRANSIENT as exc:
             # Committed or not, nothing was sent to the worker: the entries stay pending and the
             # periodic re-claim takes them up again (a committed batch the worker never saw is
@@ -303,7 +324,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
             self.loops.record(f"owner_dispatch:{self.wid}", exc)
             for i in items:
                 self._handling.discard(i.entry_id)
-            return
+            return None
         self.loops.ok(f"owner_dispatch:{self.wid}")
         for rid in set(by_id) - set(kept):  # cancelled while queued: tombstoned before the commit
             await self._reply(
@@ -312,7 +333,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
         live = [by_id[r] for r in kept]
         if not live:
             self.timeline.forget(batch_id)
-            return
+            return None
         self.dispatched += 1
         for i in live:
             if not lifecycle_sampled(i.request_id):  # the terminal line is the origin's
@@ -334,6 +355,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
         timeout = max(1.0, (deadline - time.time() * 1000) / 1000) if deadline else None
         answered: set[str] = set()
         accepted = False
+        again = ""  # the worker's epoch, when it refused the batch for ours and we send it again
         now = time.time()
         for i in live:
             if i.t_handoff:
@@ -368,7 +390,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
                             # has reached the worker since: follow it rather than answer the
                             # client "duplicate" (nothing of ours runs for this request).
                             await self.store.settle(self.wid, batch_id, item.request_id)
-                            t = asyncio.create_task(self._adopt(item, old))
+                            t = asyncio.create_task(self._adopt(item, old, ev.epoch))
                             self._inflight.add(t)
                             t.add_done_callback(self._inflight.discard)
                             M.CLAIMED.labels("adopted").inc()
@@ -376,6 +398,11 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
                         await self._reply(item, batch_id, {**r, "epoch": ev.epoch, "worker": self.wid})
                 elif ev.event == "error":
                     code = "epoch_mismatch" if ev.error.startswith("epoch_mismatch") else "worker_error"
+                    fresh = ev.epoch not in ("", epoch)  # the worker's epoch is not the one we sent
+                    if retry and code == "epoch_mismatch" and fresh and not (accepted or answered):
+                        again = ev.epoch  # refused before its engine saw it: send it again
+                        answered.update(i.request_id for i in live)
+                        continue
                     for item in live:
                         if item.request_id not in answered:
                             answered.add(item.request_id)
@@ -392,7 +419,7 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
                 # (paused past the lease): as above, the entries stay pending for the new owner,
                 # who adopts or dispatches them — a stale failure must not end a running request.
                 answered.update(i.request_id for i in live)
-                return
+                return None
             if self.on_worker_error is not None:
                 self.on_worker_error(self.wid)
             for item in live:
@@ -407,24 +434,13 @@ class OwnerDispatcher(OwnerClaims, OwnerLedger, OwnerIntake):
                     await self._reply(item, batch_id, failure("worker_error", "no result", accepted))
             self._batch_sizes.pop(batch_id, None)
             self._spawn_reanchor(self.timeline.finish(batch_id, time.time() * 1000))
-
-    def _spawn_reanchor(self, moves: list[tuple[str, float]]) -> None:
-        if moves and not self._stopping:  # off the reply path, like the `dispatched` marks
-            t = asyncio.create_task(self._reanchor(moves))
-            self._marks.add(t)
-            t.add_done_callback(self._marks.discard)
-
-    async def _reanchor(self, moves: list[tuple[str, float]]) -> None:
-        """Move ledger anchors to where the engine really started those batches (one script
-        each, only when the start differs from the anchor by more than the timeline's tolerance).
-        A failed write leaves the old anchor: owed time is then off by that batch until it
-        settles, which the next poll's routing tolerates; it is logged and counted."""
-        for bid, start_ms in moves:
-            try:
-                await self.store.anchor_batch(self.wid, bid, start_ms)
-            except Exception as exc:  # Redis hiccup: the estimate stays as committed
-                M.LEDGER_ANCHOR_FAILED.inc()
-                log.warning("owner %s: re-anchoring batch %s failed: %s", self.wid, bid, exc)
+        if not again or not self.lease.is_valid():
+            return None  # (a stale owner's refused batch: the new owner dispatches its members)
+        try:  # it never ran: its owed time goes now, not at the old epoch's sweep or the audit's TTL
+            await self.store.settle_batch(self.wid, batch_id)
+        except TRANSIENT as exc:  # the audit or the sweep settles it later; the retry goes on
+            log.warning("owner %s: settling refused batch %s failed: %s", self.wid, batch_id, exc)
+        return live, again
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
         fields = {
