@@ -34,6 +34,29 @@ def test_admit_within_budget_refuse_beyond_with_retry_after() -> None:
         AdmissionConfig(mode="maybe").validate()
 
 
+def test_a_prompt_whose_own_prefill_exceeds_the_cluster_slo_is_held_to_its_wait() -> None:
+    """A 100K-token prompt's own prefill (~7.8 s on the default profile) exceeds the 3 s cluster
+    SLO on an idle worker: refusing it 429 "retry later" refused it forever, whatever the load.
+    Held to the cluster SLO, such a request is admitted while the wait ahead of it fits the
+    budget; a deadline the client set itself is still held as it is."""
+    cfg = AdmissionConfig(slack=0.0)
+    idle = decide(cfg, view(), 7800, 3000, explicit=False)
+    assert idle.admit and idle.predicted_ms == pytest.approx(7800)
+    assert decide(cfg, view(2000, 900), 7800, 3000, explicit=False).admit  # 2.9 s wait fits
+    busy = decide(cfg, view(4000, 1500), 7800, 3000, explicit=False)
+    assert not busy.admit and busy.reason == "slo_unattainable"
+    assert busy.retry_after_s == pytest.approx(2.5)  # until the wait ahead fits the budget again
+    assert not decide(cfg, view(), 7800, 0, explicit=False).admit  # already late
+    # a prompt that fits the SLO by itself is judged as before, backlog and own prefill together
+    assert not decide(cfg, view(2000, 500), 1000, 3000, explicit=False).admit
+    # with headroom (slack < 0) the wait ahead is what must fit the budget less its headroom
+    cfg = AdmissionConfig(slack=-0.15)
+    assert decide(cfg, view(2000, 550), 7800, 3000, explicit=False).admit  # 2550 ms: just fits
+    assert not decide(cfg, view(2000, 600), 7800, 3000, explicit=False).admit
+    # the client's own deadline: unattainable is unattainable
+    assert not decide(cfg, view(), 7800, 3000, explicit=True).admit
+
+
 def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:
     assert expected_batch_wait_ms(view(), 30, True) == 0.0
     assert expected_batch_wait_ms(view(10), 30, True) == 30.0
