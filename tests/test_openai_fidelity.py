@@ -236,6 +236,18 @@ def test_supported_parameters_are_accepted_and_honoured(gws: tuple[Gateway, Gate
     wait_for(lambda: user in gw.log(), 5, what="the user id in the gateway's log")
 
 
+def test_models_retrieve_answers_the_served_model_and_404s_another(gws: tuple[Gateway, Gateway]) -> None:
+    """`client.models.retrieve(name)` (GET /v1/models/{model}), what SDK users and frameworks call
+    to check a model exists, answered 404 `not_found` "no such endpoint" for the served model."""
+    c = sdk(gws[1])
+    m = c.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "flexlb")
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.models.retrieve("gpt-4o")
+    assert exc.value.body["code"] == "model_not_found", exc.value.body
+    assert "gpt-4o" in exc.value.body["message"], exc.value.body
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def post(gw: Gateway, path: str, content: bytes, ctype: str | None = "application/json") -> httpx.Response:
     headers = {"content-type": ctype} if ctype else {}
