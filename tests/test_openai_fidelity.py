@@ -236,6 +236,19 @@ def test_supported_parameters_are_accepted_and_honoured(gws: tuple[Gateway, Gate
     wait_for(lambda: user in gw.log(), 5, what="the user id in the gateway's log")
 
 
+def test_a_developer_message_is_the_system_message(gws: tuple[Gateway, Gateway]) -> None:
+    """OpenAI's `developer` role (what newer SDKs and agent frameworks send in place of `system`)
+    was a 400; it is the system instruction, rendered as one: the same prompt, so the same
+    tokens and the same prefix cache."""
+    c = sdk(gws[1])
+    usage = {}
+    for role in ("system", "developer"):
+        msgs = [{"role": role, "content": "Answer briefly."}, *MESSAGES]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+        usage[role] = r.usage.prompt_tokens if r.usage else None
+    assert usage["developer"] == usage["system"] and usage["system"], usage
+
+
 def test_models_retrieve_answers_the_served_model_and_404s_another(gws: tuple[Gateway, Gateway]) -> None:
     """`client.models.retrieve(name)` (GET /v1/models/{model}), what SDK users and frameworks call
     to check a model exists, answered 404 `not_found` "no such endpoint" for the served model."""

@@ -202,6 +202,14 @@ class SystemMessage(_Message):
     content: Content
 
 
+class DeveloperMessage(_Message):
+    """OpenAI's newer name for the system instruction (sent by newer SDKs and agent frameworks);
+    rendered as a system message (app/tokens/chat.py)."""
+
+    role: Literal["developer"]
+    content: Content
+
+
 class UserMessage(_Message):
     role: Literal["user"]
     content: Content
@@ -219,7 +227,8 @@ class ToolMessage(_Message):
 
 
 ChatMessage = Annotated[
-    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
 ]
 
 

@@ -52,7 +52,7 @@ _OFF_VALUE = {
     "none_required",
 }
 #: Tags of the discriminated message union: pydantic puts them into the location.
-_TAGS = {"system", "user", "assistant", "tool"}
+_TAGS = {"system", "developer", "user", "assistant", "tool"}
 
 
 def _is_member_label(part: object) -> bool:
