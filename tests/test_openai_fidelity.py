@@ -8,6 +8,7 @@ same id produces on another cluster, where it runs with `stop`.
 
 from __future__ import annotations
 
+import gzip
 import time
 import uuid
 from collections.abc import Iterator
@@ -303,6 +304,29 @@ def test_errors_name_the_field_and_the_rule(gws: tuple[Gateway, Gateway]) -> Non
     r = httpx.put(gw.url + "/v1/requests/abc", timeout=5)
     assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, HEAD"
     assert message(httpx.get(gw.url + "/v2/nothing", timeout=5), 404, "not_found")
+
+
+def test_bodies_that_cannot_be_parsed_say_why(gws: tuple[Gateway, Gateway]) -> None:
+    """A body that is not UTF-8 (a gzip-compressed one, Latin-1 text), nested past the parser's
+    depth, or holding an integer too long to convert was a 400 "There was an error parsing the
+    body", a message nobody can act on: it names what is wrong."""
+    gw = gws[1]
+    raw = b'{"model": "flexlb-sim", "prompt": "x", "max_tokens": 2}'
+    resp = httpx.post(
+        gw.url + "/v1/completions",
+        content=gzip.compress(raw),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=10,
+    )
+    msg = message(resp, 400)
+    assert msg.startswith("request body: not UTF-8") and "content-encoding 'gzip'" in msg, msg
+    latin1 = '{"model": "flexlb-sim", "prompt": "café", "max_tokens": 2}'.encode("latin-1")
+    assert message(post(gw, "/v1/completions", latin1), 400).startswith("request body: not UTF-8"), latin1
+    deep = b'{"model": "flexlb-sim", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert message(post(gw, "/v1/completions", deep), 400).startswith("request body: JSON nested too deeply")
+    big = b'{"model": "flexlb-sim", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    assert message(post(gw, "/v1/completions", big), 400).startswith("request body: ")
+    assert "integer" in message(post(gw, "/v1/completions", big), 400)
 
 
 def test_request_record_fields_are_typed(gws: tuple[Gateway, Gateway]) -> None:
