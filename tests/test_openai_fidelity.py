@@ -250,6 +250,44 @@ def test_a_developer_message_is_the_system_message(gws: tuple[Gateway, Gateway])
     assert usage["developer"] == usage["system"] and usage["system"], usage
 
 
+def test_null_valued_fields_clients_send_are_their_off_value(gws: tuple[Gateway, Gateway]) -> None:
+    """What clients that serialise every field send, as OpenAI accepts it: `"stream": null` (was
+    400 "stream: must be true or false"), and an earlier reply sent back as
+    `resp.choices[0].message.model_dump()` (`refusal`, `annotations`, `audio`, `function_call`,
+    `tool_calls` all null: was 400 "messages[1].refusal: unknown parameter"). A tool call that
+    is there is still refused, naming the field."""
+    gw = gws[1]
+    c = sdk(gw)
+    for path, body in (
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": None}),
+        ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": None}),
+        ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 2, "stream": None}),
+    ):
+        resp = httpx.post(gw.url + path, json=body, timeout=30)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json"), (
+            path,
+            resp.text,
+        )
+    first = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3).choices[0].message
+    echoed = first.model_dump()
+    assert echoed["refusal"] is None and "tool_calls" in echoed, echoed  # what the SDK gives
+    turn = [*MESSAGES, echoed, {"role": "user", "content": "And then?"}]
+    r = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=2)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.completion_tokens == 2
+    with_tool_calls = {"role": "assistant", "content": None, "tool_calls": []}
+    c.chat.completions.create(model=MODEL, messages=[*MESSAGES, with_tool_calls], max_tokens=2)  # type: ignore[list-item]
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[*MESSAGES, {"role": "assistant", "content": None, "tool_calls": call}],  # type: ignore[list-item]
+            max_tokens=2,
+        )
+    assert exc.value.body["message"].startswith("messages[1].tool_calls: tools are not supported"), (
+        exc.value.body
+    )
+
+
 def test_models_retrieve_answers_the_served_model_and_404s_another(gws: tuple[Gateway, Gateway]) -> None:
     """`client.models.retrieve(name)` (GET /v1/models/{model}), what SDK users and frameworks call
     to check a model exists, answered 404 `not_found` "no such endpoint" for the served model."""
