@@ -170,8 +170,8 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
     on the default H100 profile against 3 s) was refused 429 `slo_unattainable` "retry later" on
     an idle cluster, and so on every retry: such prompts were never served. Here the worker takes
     5000 modelled ms per batch at time scale 0.1 (500 wall ms against a 300 wall ms cluster SLO);
-    the gateway predicts the same. Held to the cluster SLO it is served; a client's own deadline
-    that it cannot meet is still refused, typed."""
+    the gateway predicts the same. Held to the cluster SLO it is served on the idle worker; a
+    client's own deadline that it cannot meet is still refused, typed."""
     p = worker_pool["prefill"][0]
     d = worker_pool["decode"][0]
 
