@@ -34,6 +34,29 @@ def test_admit_within_budget_refuse_beyond_with_retry_after() -> None:
         AdmissionConfig(mode="maybe").validate()
 
 
+def test_a_prompt_whose_own_prefill_exceeds_the_cluster_slo_runs_on_an_idle_worker() -> None:
+    """A 100K-token prompt's own prefill (~7.8 s on the default profile) exceeds the 3 s cluster
+    SLO on an idle worker: refusing it 429 "retry later" refused it forever, whatever the load.
+    Held to the cluster SLO, its own prefill counts as the whole budget: admitted when nothing
+    waits ahead of it, refused with Retry-After = the backlog's drain time while something does.
+    A deadline the client set itself is still held as it is."""
+    cfg = AdmissionConfig()  # the default headroom (slack -0.15)
+    idle = decide(cfg, view(), 7800, 3000, explicit=False)
+    assert idle.admit and idle.predicted_ms == pytest.approx(7800)
+    busy = decide(cfg, view(2000, 900), 7800, 3000, explicit=False)
+    assert not busy.admit and busy.reason == "slo_unattainable"
+    assert busy.retry_after_s == pytest.approx(2.9)  # until the 2.9 s ahead of it has drained
+    assert decide(cfg, view(), 7800, 3000, batch_wait_ms=30, explicit=False).admit is False
+    assert decide(cfg, view(), 7800, 3000, time_scale=0.1, explicit=False).admit  # 780 wall ms
+    assert not decide(cfg, view(), 7800, 0, explicit=False).admit  # already late
+    # a prompt that fits the SLO by itself is judged as before, backlog and own prefill together
+    assert decide(cfg, view(1000, 500), 1000, 3000, explicit=False).admit
+    assert not decide(cfg, view(1000, 600), 1000, 3000, explicit=False).admit
+    # the client's own deadline: unattainable is unattainable; admission off admits all
+    assert not decide(cfg, view(), 7800, 3000, explicit=True).admit
+    assert decide(AdmissionConfig(mode="off"), view(9000), 7800, 3000, explicit=False).admit
+
+
 def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:
     assert expected_batch_wait_ms(view(), 30, True) == 0.0
     assert expected_batch_wait_ms(view(10), 30, True) == 30.0

@@ -142,3 +142,27 @@ async def test_bad_lines_answer_invalid_and_long_lines_close_the_connection() ->
         writer.close()
     finally:
         await srv.close()
+
+
+async def test_closing_the_server_with_a_connection_open_logs_no_error() -> None:
+    """A decode worker keeps its connection to each prefill worker's channel open, so every clean
+    stop of a prefill worker closed the server under a live connection. Its cancelled handler made
+    Python 3.11's `start_server` callback log "Exception in callback ... CancelledError" at error
+    level on every `flexlb up` Ctrl-C: noise an operator's log alerting cannot tell from a fault."""
+    h = Handles("e1", {"r0"})
+    srv = await start(h)
+    errors: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    reader, writer = await asyncio.open_connection("127.0.0.1", srv.port)
+    try:
+        writer.write(json.dumps({"id": 1, "request_id": "r0", "epoch": "e1"}).encode() + b"\n")
+        assert json.loads(await reader.readline())["status"] == "ok"  # the handler is serving it
+        await srv.close()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # the server hung up
+        for _ in range(20):  # let the cancelled handler's done-callbacks run
+            await asyncio.sleep(0)
+        assert not errors, [str(e.get("exception") or e.get("message")) for e in errors]
+    finally:
+        loop.set_exception_handler(None)
+        writer.close()

@@ -8,6 +8,7 @@ same id produces on another cluster, where it runs with `stop`.
 
 from __future__ import annotations
 
+import gzip
 import time
 import uuid
 from collections.abc import Iterator
@@ -236,6 +237,69 @@ def test_supported_parameters_are_accepted_and_honoured(gws: tuple[Gateway, Gate
     wait_for(lambda: user in gw.log(), 5, what="the user id in the gateway's log")
 
 
+def test_a_developer_message_is_the_system_message(gws: tuple[Gateway, Gateway]) -> None:
+    """OpenAI's `developer` role (what newer SDKs and agent frameworks send in place of `system`)
+    was a 400; it is the system instruction, rendered as one: the same prompt, so the same
+    tokens and the same prefix cache."""
+    c = sdk(gws[1])
+    usage = {}
+    for role in ("system", "developer"):
+        msgs = [{"role": role, "content": "Answer briefly."}, *MESSAGES]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)  # type: ignore[arg-type]
+        usage[role] = r.usage.prompt_tokens if r.usage else None
+    assert usage["developer"] == usage["system"] and usage["system"], usage
+
+
+def test_null_valued_fields_clients_send_are_their_off_value(gws: tuple[Gateway, Gateway]) -> None:
+    """What clients that serialise every field send, as OpenAI accepts it: `"stream": null` (was
+    400 "stream: must be true or false"), and an earlier reply sent back as
+    `resp.choices[0].message.model_dump()` (`refusal`, `annotations`, `audio`, `function_call`,
+    `tool_calls` all null: was 400 "messages[1].refusal: unknown parameter"). A tool call that
+    is there is still refused, naming the field."""
+    gw = gws[1]
+    c = sdk(gw)
+    for path, body in (
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": None}),
+        ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": None}),
+        ("/v1/generate", {"prompt": PROMPT, "max_new_tokens": 2, "stream": None}),
+    ):
+        resp = httpx.post(gw.url + path, json=body, timeout=30)
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/json"), (
+            path,
+            resp.text,
+        )
+    first = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3).choices[0].message
+    echoed = first.model_dump()
+    assert echoed["refusal"] is None and "tool_calls" in echoed, echoed  # what the SDK gives
+    turn = [*MESSAGES, echoed, {"role": "user", "content": "And then?"}]
+    r = c.chat.completions.create(model=MODEL, messages=turn, max_tokens=2)  # type: ignore[arg-type]
+    assert r.usage is not None and r.usage.completion_tokens == 2
+    with_tool_calls = {"role": "assistant", "content": None, "tool_calls": []}
+    c.chat.completions.create(model=MODEL, messages=[*MESSAGES, with_tool_calls], max_tokens=2)  # type: ignore[list-item]
+    call = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[*MESSAGES, {"role": "assistant", "content": None, "tool_calls": call}],  # type: ignore[list-item]
+            max_tokens=2,
+        )
+    assert exc.value.body["message"].startswith("messages[1].tool_calls: tools are not supported"), (
+        exc.value.body
+    )
+
+
+def test_models_retrieve_answers_the_served_model_and_404s_another(gws: tuple[Gateway, Gateway]) -> None:
+    """`client.models.retrieve(name)` (GET /v1/models/{model}), what SDK users and frameworks call
+    to check a model exists, answered 404 `not_found` "no such endpoint" for the served model."""
+    c = sdk(gws[1])
+    m = c.models.retrieve(MODEL)
+    assert (m.id, m.object, m.owned_by) == (MODEL, "model", "flexlb")
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.models.retrieve("gpt-4o")
+    assert exc.value.body["code"] == "model_not_found", exc.value.body
+    assert "gpt-4o" in exc.value.body["message"], exc.value.body
+
+
 # ---- errors ----------------------------------------------------------------------------------
 def post(gw: Gateway, path: str, content: bytes, ctype: str | None = "application/json") -> httpx.Response:
     headers = {"content-type": ctype} if ctype else {}
@@ -278,6 +342,29 @@ def test_errors_name_the_field_and_the_rule(gws: tuple[Gateway, Gateway]) -> Non
     r = httpx.put(gw.url + "/v1/requests/abc", timeout=5)
     assert r.status_code == 405 and r.headers["allow"] == "DELETE, GET, HEAD"
     assert message(httpx.get(gw.url + "/v2/nothing", timeout=5), 404, "not_found")
+
+
+def test_bodies_that_cannot_be_parsed_say_why(gws: tuple[Gateway, Gateway]) -> None:
+    """A body that is not UTF-8 (a gzip-compressed one, Latin-1 text), nested past the parser's
+    depth, or holding an integer too long to convert was a 400 "There was an error parsing the
+    body", a message nobody can act on: it names what is wrong."""
+    gw = gws[1]
+    raw = b'{"model": "flexlb-sim", "prompt": "x", "max_tokens": 2}'
+    resp = httpx.post(
+        gw.url + "/v1/completions",
+        content=gzip.compress(raw),
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=10,
+    )
+    msg = message(resp, 400)
+    assert msg.startswith("request body: not UTF-8") and "content-encoding 'gzip'" in msg, msg
+    latin1 = '{"model": "flexlb-sim", "prompt": "café", "max_tokens": 2}'.encode("latin-1")
+    assert message(post(gw, "/v1/completions", latin1), 400).startswith("request body: not UTF-8"), latin1
+    deep = b'{"model": "flexlb-sim", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert message(post(gw, "/v1/completions", deep), 400).startswith("request body: JSON nested too deeply")
+    big = b'{"model": "flexlb-sim", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    assert message(post(gw, "/v1/completions", big), 400).startswith("request body: ")
+    assert "integer" in message(post(gw, "/v1/completions", big), 400)
 
 
 def test_request_record_fields_are_typed(gws: tuple[Gateway, Gateway]) -> None:

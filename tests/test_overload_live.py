@@ -15,6 +15,8 @@ import asyncio
 import time
 
 import httpx
+import openai
+import pytest
 
 from app.rpc.worker_client import WorkerClient
 
@@ -156,6 +158,58 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
             if x.startswith('flexlb_admission_rejections_total{reason="deadline_passed_in_queue"}')
         )
         assert float(line.rsplit(" ", 1)[1]) == 1
+    finally:
+        gw.stop()
+        asyncio.run(conf(reset=True))
+
+
+def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """A prompt whose own prefill alone exceeds the cluster SLO (a 100K-token prompt is ~7.8 s
+    on the default H100 profile against 3 s) was refused 429 `slo_unattainable` "retry later" on
+    an idle cluster, and so on every retry: such prompts were never served. Here the worker takes
+    5000 modelled ms per batch at time scale 0.1 (500 wall ms against a 300 wall ms cluster SLO);
+    the gateway predicts the same. Held to the cluster SLO it is served on the idle worker; a
+    client's own deadline that it cannot meet is still refused, typed."""
+    p = worker_pool["prefill"][0]
+    d = worker_pool["decode"][0]
+
+    async def conf(reset: bool) -> None:
+        for addr, kw in ((p.address, {"formula": "5000", "time_scale": 0.1}), (d.address, {})):
+            c = WorkerClient(addr)
+            await c.reset()
+            if not reset and kw:
+                await c.configure(**kw)
+            await c.close()
+
+    asyncio.run(conf(reset=False))
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
+    try:
+        wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
+        h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        cfg = {"schedule_mode": "direct", "prefill_time_formula": "5000"}
+        assert httpx.put(gw.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(lambda: "runtime config v1 applied" in gw.log(), 30, what="config applied")
+        # the worker's time scale reaches the gateway with its first status poll
+        wait_for(
+            lambda: '"time_scale":"0.1"' in gw.get("/admin/workers", admin=True).text,
+            30,
+            what="worker snapshot",
+        )
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="-", max_retries=0, timeout=30)
+        r = c.completions.create(model="flexlb-sim", prompt="a long prompt " + "x" * 200, max_tokens=1)
+        assert r.choices[0].finish_reason == "length" and r.usage is not None
+        assert r.usage.completion_tokens == 1
+        with pytest.raises(openai.RateLimitError) as exc:
+            c.completions.create(
+                model="flexlb-sim",
+                prompt="a deadline it cannot meet " + "x" * 200,
+                max_tokens=1,
+                extra_headers={"x-flexlb-slo-ms": "300"},
+            )
+        assert exc.value.body["code"] == "slo_unattainable", exc.value.body  # type: ignore[index]
+        assert exc.value.response.headers.get("retry-after"), exc.value.response.headers
     finally:
         gw.stop()
         asyncio.run(conf(reset=True))

@@ -299,6 +299,13 @@ def test_chat_generation_prompt_prefixes_the_reply(messages: list[dict[str, Any]
         assert render_chat(answered, add_generation_prompt=True).startswith(prompt)
 
 
+def test_chat_developer_renders_as_system() -> None:
+    """OpenAI's `developer` role is the system instruction by its newer name: the same prompt."""
+    dev = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    sys_ = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert render_chat(dev, add_generation_prompt=True) == render_chat(sys_, add_generation_prompt=True)
+
+
 def test_chat_assistant_null_content() -> None:
     """OpenAI sends `content: null` on assistant turns that only carry tool calls."""
     msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}

@@ -183,15 +183,8 @@ SCHEMAS: dict[str, Any] = {
     "CancelResult": _obj(
         {"request_id": _STR, "state": {"type": ["string", "null"]}, "cancelled": {"type": "boolean"}}
     ),
-    "ModelList": _obj(
-        {
-            "object": {"const": "list"},
-            "data": {
-                "type": "array",
-                "items": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR}),
-            },
-        }
-    ),
+    "Model": _obj({"id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR}),
+    "ModelList": _obj({"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}}),
 }
 
 #: What each status means here, and the error codes behind it (README's error table says more).
@@ -231,6 +224,7 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("get", "/v1/requests/{request_id}"): [400, 404, *CLIENT_READ],
     ("delete", "/v1/requests/{request_id}"): [400, 404, *CLIENT_READ],
     ("get", "/v1/models"): CLIENT_READ,
+    ("get", "/v1/models/{model}"): [404, *CLIENT_READ],
     ("get", "/healthz"): [500],
     ("get", "/readyz"): [500],
     ("get", "/metrics"): [500],
@@ -258,6 +252,7 @@ SUCCESS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("post", "/v1/generate"): ("Generation", "GenerationChunk"),
     ("get", "/v1/requests/{request_id}"): ("RequestRecord", None),
     ("get", "/v1/models"): ("ModelList", None),
+    ("get", "/v1/models/{model}"): ("Model", None),
 }
 #: Request headers the generation endpoints read.
 HEADERS = [

@@ -93,13 +93,21 @@ def _timeout(r: Any, timeout_ms: int | None) -> int:
     return timeout_ms
 
 
+def _model_card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "flexlb"}
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    r = _replica(request)
-    return {
-        "object": "list",
-        "data": [{"id": r.settings.model, "object": "model", "created": 0, "owned_by": "flexlb"}],
-    }
+    return {"object": "list", "data": [_model_card(_replica(request).settings.model)]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(model: str, request: Request) -> dict[str, Any]:
+    """OpenAI's model retrieve (`client.models.retrieve`), which SDK users and frameworks call to
+    check that a model exists before using it. `:path`: served names may hold a `/`."""
+    _check_model(_replica(request), model)
+    return _model_card(model)
 
 
 def _usage(o: dict[str, Any]) -> dict[str, Any]:

@@ -77,6 +77,12 @@ UNSUPPORTED: dict[str, str] = {
     "response_format": "response_format is not supported (only {'type': 'text'})",
 }
 
+#: The same for fields of a message (an assistant turn echoed back with its tool calls).
+UNSUPPORTED_IN_MESSAGE: dict[str, str] = {
+    "tool_calls": "tools are not supported (only null or [])",
+    "function_call": "functions are not supported (only null)",
+}
+
 Temperature = Annotated[
     Annotated[Number, Field(ge=0, le=2)] | None, Field(None, description="sampling temperature, [0, 2]")
 ]
@@ -115,6 +121,11 @@ ZeroInt = Annotated[
     Field(None, description="not supported: only 0 (or null)"),
 ]
 NonEmptyStr = Annotated[StrictStr, Field(min_length=1)]
+#: `stream`: null is false, as in OpenAI's API (clients that serialise every field send it).
+Stream = Annotated[StrictBool | None, AfterValidator(bool), Field(False, description="null is false")]
+#: A field of an assistant message OpenAI's SDK sends back when a reply is echoed into the next
+#: turn (`message.model_dump()`): accepted with its "off" value only.
+NullOnly = Annotated[None, Field(None, description="only null")]
 
 
 #: Token ids; their range (the vocabulary) is added to the published document from the running
@@ -153,7 +164,7 @@ class _OpenAIRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: StrictStr
-    stream: StrictBool = False
+    stream: Stream = False
     stream_options: StreamOptions | None = None
     stop: Stop = None
     temperature: Temperature = None
@@ -202,6 +213,14 @@ class SystemMessage(_Message):
     content: Content
 
 
+class DeveloperMessage(_Message):
+    """OpenAI's newer name for the system instruction (sent by newer SDKs and agent frameworks);
+    rendered as a system message (app/tokens/chat.py)."""
+
+    role: Literal["developer"]
+    content: Content
+
+
 class UserMessage(_Message):
     role: Literal["user"]
     content: Content
@@ -210,6 +229,15 @@ class UserMessage(_Message):
 class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: Content | None = None
+    # an earlier reply echoed back as the SDK dumps it: null (or no tool calls) only
+    refusal: NullOnly = None
+    annotations: NullOnly = None
+    audio: NullOnly = None
+    function_call: NullOnly = None
+    tool_calls: Annotated[
+        list[dict[str, object]] | None,
+        Field(None, max_length=0, description="only [] (tools are not supported)"),
+    ] = None
 
 
 class ToolMessage(_Message):
@@ -219,7 +247,8 @@ class ToolMessage(_Message):
 
 
 ChatMessage = Annotated[
-    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+    SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+    Field(discriminator="role"),
 ]
 
 
@@ -259,7 +288,7 @@ class GenerateRequest(BaseModel):
     max_new_tokens: Annotated[StrictInt, Field(ge=1), INTEGRAL] | None = Field(
         None, description="default 16 (or the limit when lower)"
     )
-    stream: StrictBool = False
+    stream: Stream = False
     timeout_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = None
     deadline_ms: Annotated[StrictInt, Field(ge=1, le=3_600_000), INTEGRAL] | None = Field(
         None, description="TTFT deadline in ms (else header x-flexlb-slo-ms, else the cluster SLO)"

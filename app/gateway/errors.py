@@ -116,6 +116,23 @@ def allowed_methods(request: Request, given: str = "") -> list[str]:
     return sorted(methods)
 
 
+#: FastAPI's 400 for a body its JSON decode raised on other than a JSON syntax error (chained).
+FASTAPI_UNPARSEABLE = "There was an error parsing the body"
+
+
+def unparseable_body(cause: BaseException | None, encoding: str | None) -> str:
+    """What was wrong with a body FastAPI could not parse, for a message a person can act on
+    (FastAPI says only "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        sent = f"; content-encoding {encoding.strip()!r} is not supported" if encoding else ""
+        return f"request body: not UTF-8 at byte {cause.start}{sent}; send uncompressed UTF-8 JSON"
+    if isinstance(cause, RecursionError):
+        return "request body: JSON nested too deeply"
+    if isinstance(cause, ValueError):  # e.g. an integer literal over Python's digit limit
+        return f"request body: {str(cause).split(':', 1)[0]}"  # not Python's advice after the colon
+    return "request body: cannot be parsed as JSON"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(_: Request, exc: ApiError) -> JSONResponse:
@@ -143,6 +160,8 @@ def install_error_handlers(app: FastAPI) -> None:
             detail = f"{method} is not allowed on {request.url.path}; allowed: {headers['Allow']}"
         elif exc.status_code == 404 and detail == "Not Found":
             detail = f"no such endpoint: {request.url.path}"
+        elif exc.status_code == 400 and detail == FASTAPI_UNPARSEABLE:
+            detail = unparseable_body(exc.__cause__, request.headers.get("content-encoding"))
         resp = ApiError(code, detail).response()
         resp.status_code = exc.status_code
         resp.headers.update(headers)

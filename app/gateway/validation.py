@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.api.schemas import UNSUPPORTED
+from app.api.schemas import UNSUPPORTED, UNSUPPORTED_IN_MESSAGE
 
 #: Fields whose type is a union: one rule for the field instead of one error per member type.
 UNION_RULES = {
@@ -52,7 +52,7 @@ _OFF_VALUE = {
     "none_required",
 }
 #: Tags of the discriminated message union: pydantic puts them into the location.
-_TAGS = {"system", "user", "assistant", "tool"}
+_TAGS = {"system", "developer", "user", "assistant", "tool"}
 
 
 def _is_member_label(part: object) -> bool:
@@ -131,6 +131,9 @@ def validation_message(errors: Sequence[dict[str, Any]], body: Any = None) -> st
         name = field.rsplit(".", 1)[-1].split("[", 1)[0]
         return f"{field}: {UNION_RULES.get(name, 'has the wrong type')}"
     top = field.split(".", 1)[0].split("[", 1)[0]
+    leaf = field.rsplit(".", 1)[-1].split("[", 1)[0]
+    if top == "messages" and leaf in UNSUPPORTED_IN_MESSAGE:
+        return f"{field.split(leaf, 1)[0]}{leaf}: {UNSUPPORTED_IN_MESSAGE[leaf]}"
     if top in UNSUPPORTED and err.get("type") in _OFF_VALUE | {"string_type", "literal_error"}:
         return f"{top}: {UNSUPPORTED[top]} (got {str(_top_input(body, top))[:80]})"
     return f"{field}: {_rule(err, field)}"

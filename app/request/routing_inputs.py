@@ -312,7 +312,15 @@ class RoutingInputs(RequestContext):
         budget = deadline - (time.perf_counter() - p.t0) * 1000
         # + the gateway's own round trips (hand-off, owner read, reply): a deadline shorter than
         # those is unattainable whatever the worker's load, and must be refused, not run late
-        v = admission_decide(cfg, view, own, budget - GATEWAY_FLOOR_MS, batch_wait_ms=wait, time_scale=scale)
+        v = admission_decide(
+            cfg,
+            view,
+            own,
+            budget - GATEWAY_FLOOR_MS,
+            batch_wait_ms=wait,
+            time_scale=scale,
+            explicit=bool(req.deadline_ms),
+        )
         if not v.admit:
             M.ADMISSION_REJECTIONS.labels(v.reason).inc()
             raise ApiError(

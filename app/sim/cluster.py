@@ -359,6 +359,7 @@ class ClusterSim:
             own_ms,
             self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
             batch_wait_ms=expected_batch_wait_ms(view, self.bcfg.wait_ms, self._window_batching),
+            explicit=False,  # trace rows carry no deadline of their own: the cluster SLO
         )
         if not verdict.admit:
             self.rejections[verdict.reason] += 1

@@ -30,7 +30,10 @@ from typing import Any
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+#: Roles rendered under another: OpenAI's `developer` is the system instruction by its newer name,
+#: so both render (and tokenize, and hit the prefix cache) the same.
+RENDERED_AS = {"developer": "system"}
 GENERATION_PROMPT = f"{IM_START}assistant\n"
 
 
@@ -59,10 +62,11 @@ def message_text(message: Any, index: int) -> tuple[str, str]:
         if "content" not in message:
             raise ChatTemplateError(f"messages[{index}] ({role}) has no content")
         raise ChatTemplateError(f"messages[{index}].content must not be null for role {role!r}")
+    rendered = RENDERED_AS.get(role, role)
     if isinstance(content, str):
-        return role, content
+        return rendered, content
     if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
-        return role, "\n".join(_part_text(part, index, j) for j, part in enumerate(content))
+        return rendered, "\n".join(_part_text(part, index, j) for j, part in enumerate(content))
     raise ChatTemplateError(
         f"messages[{index}].content must be a string or a list of text parts; got {type(content).__name__}"
     )
@@ -84,10 +88,11 @@ def _part_text(part: Any, index: int, j: int) -> str:
 def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
     """Render `messages` (OpenAI chat format) with the prefix-stable ChatML template.
 
-    Roles: system, user, assistant, tool. Content: a string, a list of `{"type": "text", "text":
-    ...}` parts, or null/absent on an assistant turn. Other keys (name, tool_call_id, tool_calls) are
-    accepted and not rendered. An empty list renders as "" (so the prefix property holds from n=0);
-    the API layer decides whether an empty conversation is a valid request.
+    Roles: system (or developer, rendered as system), user, assistant, tool. Content: a string, a
+    list of `{"type": "text", "text": ...}` parts, or null/absent on an assistant turn. Other keys
+    (name, tool_call_id, tool_calls) are accepted and not rendered. An empty list renders as "" (so
+    the prefix property holds from n=0); the API layer decides whether an empty conversation is a
+    valid request.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
         raise ChatTemplateError(f"messages must be a list of message objects; got {type(messages).__name__}")

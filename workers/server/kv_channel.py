@@ -113,6 +113,10 @@ class KvClaimServer:
                 t.add_done_callback(self._tasks.discard)
         except (OSError, ValueError, asyncio.LimitOverrunError):
             pass  # reset by the peer, or a line over MAX_LINE: drop the connection
+        except asyncio.CancelledError:
+            # close() ended the connection: end normally. Re-raised, Python 3.11's start_server
+            # callback calls exception() on the cancelled task and logs that as an error.
+            pass
         finally:
             if me is not None:
                 self._tasks.discard(me)
