@@ -118,6 +118,8 @@ class OwnerAdopt:
             )
             M.CLAIMED.labels("rerun").inc()
             self._redispatched[item.request_id] = batch_id
+            # The worker ran it, so a commit took its predicted ms off queued_ms already.
+            item.queued_taken = True
             self.admit(item, time.time() * 1000)
         if batch_id:
             await self._settle_old(item, batch_id)

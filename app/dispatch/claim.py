@@ -171,4 +171,8 @@ class OwnerClaims:
                     # `duplicate` answer for the old batch still keeps it from running twice.
                     log.warning("owner %s: cancel of old batch %s failed: %s", self.wid, bid, exc)
                 await self.store.settle(self.wid, bid, item.request_id)
+            # Committed before (its old batch is in the ledger): that commit took its predicted
+            # ms off queued_ms, so this one must not. Never committed (its owner died between
+            # the read and the commit): its ms are still queued, and its commit takes them.
+            item.queued_taken = bool(old_batches)
             self.admit(item, time.time() * 1000)

@@ -45,6 +45,10 @@ class QueueItem:
     # an entry without them (an origin older than issue 20's change): the owner's client hashes.
     keys: Any = None
     key_space: int = 0
+    # Its predicted ms already came off the worker's queued_ms: an earlier commit of it (the dead
+    # owner's batch it is re-admitted from: a claim's redispatch, an adoption's re-run) took them,
+    # and a hand-off adds them once, so its next commit or refusal takes nothing for it.
+    queued_taken: bool = False
 
 
 def parse_item(entry_id: Any, f: dict[bytes, bytes]) -> QueueItem:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from app import metrics as M
 from app.dispatch.items import QueueItem
+from app.scheduling.commit import committed_ms
 from app.state.retry import TRANSIENT
 from app.state.store import FencedOut
 
@@ -25,6 +26,21 @@ if TYPE_CHECKING:
     from app.state.store import StateStore
 
 log = logging.getLogger("flexlb.owner")
+
+
+async def settle_old_epochs(store: StateStore, wid: str, epoch: str, old_epoch: str = "") -> int:
+    """The old-epoch sweep (DESIGN §6: a new epoch settles everything held under the old ones):
+    settle every batch in `wid`'s ledger committed under an epoch other than `epoch`, the one the
+    worker runs now, and those committed with no epoch; returns how many. With no current epoch
+    known (`epoch` empty) only `old_epoch`'s are settled, as the sweep did before it looked past
+    the previous epoch. Batches of `epoch` itself run on the worker and are kept."""
+    settled = 0
+    for bid, entry in (await store.read_ledger(wid)).items():
+        e = str(entry.get("epoch", ""))
+        if e == "" or (e != epoch if epoch else e == old_epoch):
+            await store.settle_batch(wid, bid)
+            settled += 1
+    return settled
 
 
 class OwnerLedger:
@@ -88,7 +104,7 @@ class OwnerLedger:
         fenced commit script with no members under a fresh id — it takes `take_ms` once, only for
         the lease holder, and writes no ledger entry. A failure here is repaired by the
         reconciler, which recomputes queued_ms from the queue."""
-        take = sum(i.predicted_ms for i in items)
+        take = committed_ms(i for i in items if not i.queued_taken)  # re-admitted: taken already
         if take <= 0:
             return
         try:

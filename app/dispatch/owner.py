@@ -265,7 +265,9 @@ class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
         (adopt.py) — is committed and sent once more, under a new batch id and the epoch the
         refusal named, instead of failing its requests: nothing of it ran, so that is its first
         run on that epoch. Counted `flexlb_dispatch_epoch_retries_total`."""
-        again = await self._send(items, reason, self.epoch(), committed_ms(items))
+        # A re-admitted member's hand-off was taken off queued_ms by its first commit already.
+        fresh = [i for i in items if not i.queued_taken]
+        again = await self._send(items, reason, self.epoch(), committed_ms(fresh))
         if again is not None:
             live, epoch = again
             M.DISPATCH_EPOCH_RETRIES.inc()
@@ -443,6 +445,9 @@ class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
         return live, again
 
     async def _reply(self, item: QueueItem, batch_id: str, result: dict[str, Any]) -> None:
+        # Answered (whatever the path: a result, a dropped commit, a refusal, a failure): no
+        # `duplicate` of it is left to follow, so its entry leaves the map (it grew for good).
+        self._redispatched.pop(item.request_id, None)
         fields = {
             "rid": item.request_id,
             "batch_id": batch_id,

@@ -17,6 +17,7 @@ from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.poller import WorkerPoller
 from app.config import Settings
+from app.dispatch.ledger import settle_old_epochs
 from app.dispatch.owner import OwnerDispatcher
 from app.gateway.runtime import RuntimeConfig
 from app.gateway.views import WorkerViews
@@ -155,18 +156,16 @@ class Ownership:
         M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
         if change.epoch_changed:
             M.WORKER_EPOCH_CHANGES.labels(wid).inc()
-            await self.settle_epoch(wid, change.old_epoch)
+            p = self.pollers.get(wid)
+            await self.settle_epoch(wid, change.old_epoch, p.health.epoch if p is not None else "")
 
-    async def settle_epoch(self, wid: str, old_epoch: str) -> None:
-        """A worker restarted: whatever was committed to it under the old epoch will never
-        complete there. The batching work extends this to re-dispatch; here the ledger is cleared
-        so owed time does not count work that no longer exists."""
-        ledger = await self.store.read_ledger(wid)
-        settled = 0
-        for bid, entry in ledger.items():
-            if str(entry.get("epoch", old_epoch)) in (old_epoch, ""):
-                await self.store.settle_batch(wid, bid)
-                settled += 1
+    async def settle_epoch(self, wid: str, old_epoch: str, epoch: str = "") -> None:
+        """A worker restarted: whatever was committed to it under an earlier epoch will never
+        complete there, so the ledger is cleared of it and owed time does not count work that no
+        longer exists. Every epoch but the current one (`epoch`, the poller's) — not only
+        `old_epoch`, the one the poller saw last: a worker that restarted twice between our polls,
+        or a sweep that failed, leaves older batches (`settle_old_epochs`)."""
+        settled = await settle_old_epochs(self.store, wid, epoch, old_epoch)
         log.info("worker %s restarted (old epoch %s): settled %d batches", wid, old_epoch, settled)
 
     def resync(self) -> None:

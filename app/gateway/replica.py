@@ -289,8 +289,8 @@ class Replica:
     def wake_owner(self, wid: str) -> None:
         self.ownership.wake(wid)
 
-    async def settle_epoch(self, wid: str, old_epoch: str) -> None:
-        await self.ownership.settle_epoch(wid, old_epoch)
+    async def settle_epoch(self, wid: str, old_epoch: str, epoch: str = "") -> None:
+        await self.ownership.settle_epoch(wid, old_epoch, epoch)
 
     async def reap_origin(self, dead: str) -> int:
         return await self.master.reap_origin(dead)
