@@ -16,7 +16,9 @@ from app.sim.run import PolicySpec
 # (`SimConfig.decode_shared_prefix`, live `FLEXLB_DECODE_SHARED_PREFIX`, default on).
 # ``-dheld`` / ``+dheld``: the decode pick ranks on headroom alone / plus the request's prompt
 # tokens the replica's holds there name (`SimConfig.decode_prefer_held`, live
-# `FLEXLB_DECODE_PREFER_HELD`, default on).
+# `FLEXLB_DECODE_PREFER_HELD`, default on). ``+dall``: that pick reads one view of every
+# replica's holds instead of its own replica's (`SimConfig.decode_held_view`, an evaluation of the
+# upper bound a shared view could buy; the live origin knows its own holds).
 SUFFIXES = {
     "+fresh": ("fresh_pick", True),
     "+shared": ("shared_speculative", True),
@@ -28,6 +30,7 @@ SUFFIXES = {
     "-dshare": ("decode_shared_prefix", False),
     "+dheld": ("decode_prefer_held", True),
     "-dheld": ("decode_prefer_held", False),
+    "+dall": ("decode_held_view", "all"),
 }
 # ``+res:POLICY`` (max | mean | pXX): the decode KV the origin reserves per request
 # (`SimConfig.reserve_output_tokens`, live `FLEXLB_RESERVE_OUTPUT_TOKENS`; default the live setting).
@@ -44,7 +47,8 @@ def specs(names: tuple[str, ...] | list[str]) -> list[PolicySpec]:
     published through the owner to every replica, live `FLEXLB_SHARED_SPECULATIVE`); both on by
     default, as live. ``expected`` is the decode engines' admission, ``res:`` the origin's
     `reserve_output_tokens`, ``dshare`` / ``dheld`` the decode holds' sharing and the pick's use
-    of it, ``+tpot:MS`` the simulator-only TPOT guard (see ``SUFFIXES`` and ``TPOT``)."""
+    of it (``+dall``: every replica's holds), ``+tpot:MS`` the simulator-only TPOT guard (see
+    ``SUFFIXES`` and ``TPOT``)."""
     out = []
     for n in names:
         base = TPOT.sub("", RESERVE.sub("", n))

@@ -120,3 +120,16 @@ def test_the_simulated_origin_keeps_an_application_on_the_worker_holding_its_pro
         assert [len(s) for s in per_app] == [1, 1] and per_app[0] != per_app[1], per_app
     else:
         assert sum(len(s) for s in per_app) >= 3, per_app  # drawn between equal headrooms
+
+
+def test_the_all_holds_view_is_one_mirror_shared_by_every_replica() -> None:
+    # `SimConfig.decode_held_view` (an evaluation, `+dall` in bench/cliff.py): "own" gives each
+    # replica the mirror of its own holds, as live; "all" one mirror of every replica's holds.
+    trace = _two_apps_trace()
+    bc = batcher_config("window", 600_000.0, None)
+    own = ClusterSim(trace, SimConfig(prefill=2, decode=2, replicas=2), "cost", bc)
+    assert own.replicas[0].dholds is not own.replicas[1].dholds
+    shared = ClusterSim(trace, SimConfig(prefill=2, decode=2, replicas=2, decode_held_view="all"), "cost", bc)
+    assert shared.replicas[0].dholds is shared.replicas[1].dholds
+    with pytest.raises(ValueError, match="decode_held_view"):
+        SimConfig(decode_held_view="some").validate()

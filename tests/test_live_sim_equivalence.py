@@ -13,6 +13,11 @@ with the same inputs and must give the same answer:
   worker: every hand-off the simulated owner reads is `admit`ted by the live one at the same time,
   every decision (`decide`) and every finished batch (`batch_finished`) is made on both, and the
   decisions (members in order, reason, refused members, wake-up time) must be equal.
+- decode holds (`FLEXLB_DECODE_PREFER_HELD`): on requests sharing long prompt prefixes, each
+  simulated replica's decode pick is also made by the live `Pipeline` from the request's own block
+  keys and the live origin's own hold mirror, which the live code keeps (`note_decode_hold` after
+  the reservation, the ending's drop): the `DecodeQuery` (its `held` included) and the worker must
+  be equal, with 1 replica and with 2 (each origin sees its own holds).
 
 Nothing of the decision code is replaced: the simulated replica and batcher are subclasses that
 call their parents' code and only add the live call next to it. The live objects are never
@@ -40,11 +45,13 @@ from app.gateway.replica import Replica
 from app.request.pipeline import GenRequest, Pipeline, Progress
 from app.scheduling.batcher import Batcher, BatcherConfig, Decision, Pending
 from app.scheduling.policy import PREFILL
+from app.scheduling.reserve import DecodeHoldMirror
 from app.scheduling.routing import Choice, DecodeQuery, NoWorker, PrefillQuery, WorkerView
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
 from app.sim.replica import SimReplica
 from app.traces import synthetic_trace
+from app.traces.model import Trace, TraceRequest
 
 URL = "redis://127.0.0.1:1/0"  # never connected: the decisions read only in-process state
 
@@ -332,3 +339,130 @@ async def test_live_prefill_hits_from_match_fast_equal_the_full_walk() -> None:
             want = reference.choose(PrefillQuery(n_in, full, 64), views, pipe.rng)
             pipe.rng.setstate(state)
             assert pipe.choose_prefill(n_in, keys, 64, views, now / 1000) == want, (policy, case)
+
+
+class _HeldSim(ClusterSim):
+    """The simulator, noting which request its origin is routing: the live twin builds that
+    request's prompt (its block keys) for its own decode pick."""
+
+    routing = -1
+
+    def _arrival(self, i: int) -> None:
+        self.routing = i
+        super()._arrival(i)
+
+
+class _TwinHolds(DecodeHoldMirror):
+    """A simulated replica's hold mirror whose every hold and drop the live origin's own mirror
+    takes too, through the live code: `note_decode_hold` once the reservation is made (on the
+    worker it was finally made on), the ending's `dholds.drop`."""
+
+    def __init__(self, rep: HeldLiveReplica) -> None:
+        super().__init__()
+        self.rep = rep
+
+    def hold(self, request_id: str, worker_id: str, chunk: int, keys: Sequence[int]) -> None:
+        super().hold(request_id, worker_id, chunk, keys)
+        req, p = self.rep.routed
+        assert req.request_id == request_id
+        p.decode_worker = worker_id
+        self.rep.live.pipeline.note_decode_hold(req, p)
+
+    def drop(self, request_id: str) -> None:
+        super().drop(request_id)
+        self.rep.live.pipeline.dholds.drop(request_id)
+
+
+class HeldLiveReplica(LiveReplica):
+    """`LiveReplica` for the decode pick with holds: the live pipeline routes the simulated
+    request itself (its prompt's block keys, its max_tokens) from its own hold mirror, kept by
+    the live code (`_TwinHolds`), and must build the same `DecodeQuery` (its `held` included) and
+    pick the same worker."""
+
+    def __init__(self, idx: int, sim: _HeldSim, policy: str, live: Replica, tally: Tally) -> None:
+        super().__init__(idx, sim, policy, live, tally)
+        self.hsim = sim
+        self.dholds = _TwinHolds(self)
+        self.held_picks = 0  # picks with a non-empty `held`
+        self.held_moved = 0  # picks `held` changed (the same pick without it differs)
+
+    def choose_decode(self, q: DecodeQuery) -> int:
+        sim = self.hsim
+        i = sim.routing
+        tr = sim.trace.requests[i]
+        req = GenRequest(f"r{i}", [1] * tr.input_len, max(1, tr.output_len), 60_000)
+        p = Progress()
+        p.block_size, p.keys = sim.bs, list(sim.trace.full_block_keys(tr))  # as `prompt_keys` hashed them
+        self.routed = (req, p)
+        pipe = self._sync()
+        pipe.out_est = sim.out_est  # the learned output lengths, as the mirror: the simulator's object
+        assert pipe.decode_query(req, p, tr.input_len + q.max_new_tokens) == q, f"r{i}"
+        pipe.choose_decode(req, p)
+        assert pipe.views("decode") == self.dviews
+        alone = random.Random()
+        alone.setstate(self.rng.getstate())
+        d = SimReplica.choose_decode(self, q)
+        assert p.decode_worker == self.dids[d], f"r{i}"
+        assert pipe.rng.getstate() == self.rng.getstate()
+        if q.held:
+            self.held_picks += 1
+            self.held_moved += (
+                self.dstrat.choose(replace(q, held=None), self.dviews, alone).worker_id != (self.dids[d])
+            )
+        return d
+
+
+def _apps_trace(n: int = 72, apps: int = 6, prefix_blocks: int = 64, seed: int = 15) -> Trace:
+    """Applications' requests in random order 150 ms apart: each prompt its application's
+    ``prefix_blocks`` blocks of 512 tokens (32,768: shared chunks decode holds name, worth more
+    than `kv_headroom`'s 5 % band of a 450,000-token worker) and one block of its own, decoding
+    60 tokens, so several holds of an application overlap on the decode side."""
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        app = rng.randrange(apps)
+        keys = (*(1_000 * (app + 1) + b for b in range(prefix_blocks)), 900_000 + i)
+        reqs.append(TraceRequest(i, 150.0 * i, 512 * len(keys), 60, keys))
+    return Trace("apps", "mooncake", 512, reqs)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_live_and_simulated_decode_picks_agree_on_held_prompts(replicas: int) -> None:
+    """`FLEXLB_DECODE_PREFER_HELD` through both: requests sharing long prompt prefixes, placed on
+    decode workers that hold them; every decode pick's `held` (each origin's own holds: with 2
+    replicas a lower bound) and choice must be the same live and simulated."""
+    trace = _apps_trace()
+    cfg = SimConfig(
+        prefill=3,
+        decode=3,
+        replicas=replicas,
+        seed=5,
+        slo_ttft_ms=600_000.0,
+        decode_shared_prefix=True,
+        decode_prefer_held=True,
+    )
+    sim = _HeldSim(trace, cfg, "cost", batcher_config("window", cfg.slo_ttft_ms))
+    settings = Settings(
+        prefill_strategy="cost",
+        decode_strategy=cfg.decode_strategy,
+        replica_id="equiv",
+        decode_shared_prefix=True,
+        decode_prefer_held=True,
+    )
+    lives = [Replica(settings, URL) for _ in range(replicas)]
+    tally = Tally()
+    try:
+        reps = [HeldLiveReplica(i, sim, "cost", lives[i], tally) for i in range(replicas)]
+        sim.replicas = list(reps)
+        out = sim.run()
+    finally:
+        for live in lives:
+            for c in live.clients.values():
+                await c.close()
+    assert all(r.error is None for r in out.records), out.rejections
+    # 1 replica: 47 of the 72 picks with held tokens, 21 of them moved by them; 2 replicas (each
+    # origin its own holds): 30, 4
+    assert sum(r.held_picks for r in reps) >= len(trace.requests) // 3, [r.held_picks for r in reps]
+    assert sum(r.held_moved for r in reps) > 0, "held never changed a pick: the preference was not exercised"
+    for r in reps:  # every hold ended, on both sides
+        assert len(r.dholds) == 0 and len(r.live.pipeline.dholds) == 0

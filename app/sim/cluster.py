@@ -39,8 +39,9 @@ which is exactly what it would pick from the whole fleet; decode policies get th
 own ranking, which cannot go stale between refreshes because decode views only change then. A
 policy that finds no eligible candidate is retried over the whole fleet.
 
-Modules: this one holds the event loop, the owners and the workers; `app/sim/replica.py` a replica's
-views, policies and shortlists; `app/sim/polls.py` the owners' polls; `app/sim/outcome.py` the
+Modules: this one holds the event loop, the owners and the prefill workers; `app/sim/decode_side.py`
+the decode workers and the origin's decode reservations; `app/sim/replica.py` a replica's views,
+policies and shortlists; `app/sim/polls.py` the owners' polls; `app/sim/outcome.py` the
 per-request state and records.
 """
 
@@ -54,21 +55,20 @@ from typing import Any
 
 from app.cache.mirror import CacheMirror
 from app.protocol.blocks import hit_blocks_cap
-from app.protocol.codes import FINISH_LENGTH, EngineStatus
+from app.protocol.codes import EngineStatus
 from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
-from app.scheduling.reserve import OutputLengthEstimator, SharedBlockHolds, share_chunk_size, share_chunks
-from app.scheduling.routing import DecodeQuery, NoWorker, PrefillQuery
+from app.scheduling.routing import NoWorker, PrefillQuery
 from app.sim.config import SimConfig
+from app.sim.decode_side import DecodeSide
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
 from app.sim.polls import poll_owners
 from app.sim.replica import SimReplica
-from app.traces.model import Trace, TraceRequest
-from workers.engine.decode import DecodeEngine, DecodeRequest, _Seq
-from workers.engine.effects import BatchDone, BatchStarted, DecodeFinished, Effect, PrefillResult
+from app.traces.model import Trace
+from workers.engine.effects import BatchDone, BatchStarted, Effect, PrefillResult
 from workers.engine.prefill import PrefillEngine, PrefillRequest
 
 __all__ = ["ClusterSim", "SimOutcome", "mean_cold_prefill_ms"]
@@ -90,18 +90,7 @@ _ENGINE_TO_API = {
 }
 
 
-class _SimDecodeEngine(DecodeEngine):
-    """The decode engine core, minus the output token ids (nobody reads them in a simulation): the
-    timing, KV and admission logic are the parent's; only the per-chunk id generation is skipped."""
-
-    def _emit(self, s: _Seq, gen: int) -> list[Effect]:
-        if gen > s.emitted:
-            self.tokens_total += gen - s.emitted
-            s.emitted = gen
-        return []
-
-
-class ClusterSim:
+class ClusterSim(DecodeSide):
     """One run of one policy over one trace; `run()` returns the per-request records."""
 
     def __init__(self, trace: Trace, cfg: SimConfig, policy: str, batcher: BatcherConfig) -> None:
@@ -130,15 +119,6 @@ class ClusterSim:
             )
             for i in range(np_)
         ]
-        self.deng = [
-            _SimDecodeEngine(
-                cfg.decode_profile(),
-                seed=cfg.seed * 100_003 + i,
-                max_running=cfg.decode_max_running,
-                admission=cfg.decode_admission,
-            )
-            for i in range(nd)
-        ]
         predict = self.formula.predict_batch
         self.batchers = [Batcher(batcher, predict) for _ in range(np_)]
         self._window_batching = batcher.mode == "batch" and batcher.algorithm == "fixed_window"
@@ -146,16 +126,7 @@ class ClusterSim:
         self.queued_ms = [0.0] * np_  # hand-off queue's predicted ms per prefill worker
         self.queue_items = [0] * np_
         self.ledger: list[dict[str, list[float]]] = [{} for _ in range(np_)]  # bid → [pred, start, left]
-        self.reserved = [0] * nd
-        # Decode-side prefix sharing (`SimConfig.decode_shared_prefix`): per decode worker, how
-        # many reservations name each full prompt block; a block is reserved once.
-        self.dheld = [SharedBlockHolds(share_chunk_size(self.bs)) for _ in range(nd)]
-        # `SimConfig.decode_tpot_slo_ms` (an evaluation): per decode worker, the holds and the sum
-        # of their prompt + reserved output, the context each decode step reads at its longest.
-        self.dholds_n = [0] * nd
-        self.dctx = [0] * nd
-        self.dstep = cfg.decode_profile().decode_step_ms
-        self.out_est = OutputLengthEstimator(cfg.reserve_output_tokens)  # one model: one estimator
+        self._init_decode_side()  # engines, reservations, holds, output lengths (app/sim/decode_side.py)
         self.mirror = CacheMirror(cfg.speculative_ttl_ms, holders_index=True)
         self.cache_version: list[int | None] = [None] * np_
         # Published snapshots (the owners' last poll) and their versions.
@@ -290,44 +261,8 @@ class ClusterSim:
             # A peer router reserves nothing: it picks the decode worker by its own policy and the
             # decode engine admits on use (`admission="expected"`, set in __init__).
             st.decode = rep.peer_decode(PrefillQuery(size, {}, self.bs, keys))
-        elif max_new > 1:
-            # Decode first: reserve KV on the chosen worker (DESIGN §3 step 5).
-            cbs, dkeys = share_chunks(self.bs, keys) if self.cfg.decode_shared_prefix else (0, [])
-            held = rep.dholds.held(cbs, dkeys) if self.cfg.decode_prefer_held and dkeys else None
-            dq = DecodeQuery(size, self.out_est.reserve(max_new), size + max_new, cbs * len(dkeys), held)
-            try:
-                d = rep.choose_decode(dq)
-            except NoWorker:
-                self.rejections["decode_no_kv_headroom"] += 1
-                self._fail(i, "no_worker")
-                return
-            need = size + dq.max_new_tokens
-            refused: list[str] = []
-            while self.reserved[d] + need - self.dheld[d].held_tokens(dkeys) > self.deng[d].capacity or (
-                self.cfg.decode_tpot_slo_ms > 0
-                and self.dstep(self.dholds_n[d] + 1, self.dctx[d] + need) > self.cfg.decode_tpot_slo_ms
-            ):
-                # As the gateway does (`Pipeline._reserve_elsewhere`): up to two more workers.
-                refused.append(self.dids[d])
-                others = [v for v in rep.dviews if v.id not in refused]
-                if len(refused) > 2 or not others:
-                    self.rejections["decode_reserve_refused"] += 1
-                    self._fail(i, "overloaded")
-                    return
-                try:
-                    d = int(rep.dstrat.choose(dq, others, rep.rng).worker_id.rsplit("-", 1)[1])
-                except NoWorker:
-                    self.rejections["decode_reserve_refused"] += 1
-                    self._fail(i, "overloaded")
-                    return
-            self.reserved[d] += need - self.dheld[d].held_tokens(dkeys)
-            self.dheld[d].hold(rid, dkeys)
-            rep.dholds.hold(rid, self.dids[d], cbs, dkeys)
-            self.dholds_n[d] += 1
-            self.dctx[d] += need
-            self.d_dirty[d] = True
-            st.decode = d
-            st.reserved = need
+        elif max_new > 1 and not self._reserve_decode(rep, i, st, keys):  # decode first (§3 step 5)
+            return
         rep.age(self.now)  # the live origin ages owed ms read by its hand-offs per request
         q = rep.prefill_query(size, keys, self.now)
         try:
@@ -393,13 +328,6 @@ class ClusterSim:
             drop_late=slo and adm.drop_late == "always",
         )
         self._push(self.now + self.cfg.handoff_latency_ms, _HANDOFF, w, pend)
-
-    def _share_chunks(self, tr: TraceRequest) -> tuple[tuple[int, ...], int]:
-        """The decode request's (block_keys, block_size): the chunks its hold named."""
-        if not self.cfg.decode_shared_prefix:
-            return (), 0
-        cbs, keys = share_chunks(self.bs, self.trace.full_block_keys(tr))
-        return tuple(keys), cbs
 
     def _publish_speculative(self, w: int, p: Pending) -> None:
         """`SimConfig.shared_speculative` (live: app/cache/shared_spec.py): the owner of worker ``w``
@@ -535,51 +463,12 @@ class ClusterSim:
             return
         d = st.decode
         eng = self.deng[d]
-        self._decode_effects(
-            d,
-            eng.submit(
-                DecodeRequest(
-                    r.request_id,
-                    tr.input_len,
-                    max_new - 1,
-                    1,
-                    tr.input_len,
-                    *self._share_chunks(tr),
-                ),
-                self.now,
-            ),
-        )
+        self._decode_effects(d, eng.submit(self._decode_request(r.request_id, tr), self.now))
         self._resched_d(d)
         self.d_dirty[d] = True
         # The decode worker releases the prefill KV once it has fetched it.
         fetch = eng.transfer_ms(tr.input_len) + eng.faults.extra_latency_ms
         self._push(self.now + fetch, _RELEASE, w, r.request_id)
-
-    def _decode_effects(self, d: int, effects: Sequence[Effect]) -> None:
-        for e in effects:
-            if isinstance(e, DecodeFinished):
-                i = int(e.request_id[1:])
-                if e.reason == FINISH_LENGTH:
-                    self.reqs[i].t_end = e.t_ms
-                    self.out_est.observe(e.generated + 1)  # + the first token, from prefill
-                    self._complete(i)
-                else:
-                    self._fail(i, "worker_error")
-        self.d_dirty[d] = True
-
-    def _release_reservation(self, st: ReqState, i: int) -> None:
-        rep = self.replicas[st.origin]
-        if rep.peer and st.decode >= 0:  # off the peer router's own in-flight counts
-            rep.pstrat.finished(
-                self.dids[st.decode], PrefillQuery(self.trace.requests[i].input_len, {}, self.bs)
-            )
-        if st.reserved and st.decode >= 0:
-            self.reserved[st.decode] -= st.reserved - self.dheld[st.decode].drop(f"r{i}")
-            rep.dholds.drop(f"r{i}")
-            self.dholds_n[st.decode] -= 1
-            self.dctx[st.decode] -= st.reserved
-            self.d_dirty[st.decode] = True
-            st.reserved = 0
 
     def _complete(self, i: int) -> None:
         st = self.reqs[i]

@@ -96,6 +96,11 @@ class SimConfig:
     # prompt that the replica's own holds there name (live `FLEXLB_DECODE_PREFER_HELD`,
     # app/scheduling/reserve.py `DecodeHoldMirror`).
     decode_prefer_held: bool = field(default_factory=lambda: _settings().decode_prefer_held)
+    # Evaluation only (no live twin): what each replica's decode pick knows of the holds, `own`
+    # (its own, as a live origin's `DecodeHoldMirror`: a lower bound with several replicas) or
+    # `all` (one mirror shared by every replica: the upper bound of a view that also saw the other
+    # replicas' holds). `bench/cliff.py` suffix `+dall`.
+    decode_held_view: str = "own"
     # Evaluation only (no live twin): the origin refuses a decode worker whose modelled step
     # (`decode_step_ms` over its holds + this one, each at prompt + reserved output) would exceed
     # this many ms, as a TPOT SLO would; 0 = off. `bench/cliff.py` suffix `+tpot:MS`.
@@ -110,6 +115,8 @@ class SimConfig:
             raise ValueError("poll interval must be > 0 and latencies >= 0")
         if self.candidates < 1:
             raise ValueError("candidates must be >= 1")
+        if self.decode_held_view not in ("own", "all"):
+            raise ValueError(f"decode_held_view must be own or all, got {self.decode_held_view!r}")
         self.admission.validate()
 
     def policy_book(self) -> PolicyBook:

@@ -49,7 +49,10 @@ class SimReplica:
         # A peer router imitation (a registry picker) runs without FlexLB's admission.
         self.peer = self.pstrat.peer
         self.dstrat = sim.book.build(DECODE, cfg.decode_strategy)
-        self.dholds = DecodeHoldMirror()  # where this replica's own decode holds name their chunks
+        # Where this replica's own decode holds name their chunks (with `decode_held_view="all"`:
+        # every replica's, one mirror shared by all, an evaluation of the upper bound).
+        shared = sim.shared_dholds
+        self.dholds = shared if shared is not None else DecodeHoldMirror()
         self.psnap: list[tuple[Any, ...]] = list(sim.p_pub)
         self.dsnap: list[tuple[Any, ...]] = list(sim.d_pub)
         self.p_seen = [-1] * cfg.prefill
