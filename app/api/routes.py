@@ -229,7 +229,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return {"text": text, "logprobs": None}
 
     gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece, stops)
-    return await stream_response(request, gen)
+    return await stream_response(request, gen, req, r.settings.sse_keepalive_s)
 
 
 async def _openai_stream(
@@ -340,7 +340,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         return {"delta": {"content": text} if text or where != "last" else {}}
 
     gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece, stops)
-    return await stream_response(request, gen)
+    return await stream_response(request, gen, req, r.settings.sse_keepalive_s)
 
 
 # ---- native ------------------------------------------------------------------------------------
@@ -418,7 +418,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 break
         yield b"data: [DONE]\n\n"
 
-    return await stream_response(request, gen())
+    return await stream_response(request, gen(), req, r.settings.sse_keepalive_s)
 
 
 # ---- request status and cancel -----------------------------------------------------------------

@@ -173,12 +173,62 @@ def stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
         return e
 
 
-async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
-    """Pull the first chunk before answering 200, so errors before any token (validation,
-    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event. The
-    wait covers queueing and prefill, so a client that leaves meanwhile cancels the request."""
-    first = await guarded(request, gen.__anext__())
-    if first.startswith(b'data: {"error"'):
+#: An SSE comment line: every SSE parser (the openai SDK's included) skips it; it keeps a client's
+#: read timeout and a proxy's idle timer from firing while the request waits for a token.
+KEEPALIVE = b": keep-alive\n\n"
+
+
+async def _head(request: Request, nxt: asyncio.Future[bytes], admitted: asyncio.Event | None) -> bytes | None:
+    """The stream's first chunk, or None when the request was admitted before it came. Watches
+    the client meanwhile: one that leaves (queued, in prefill) cancels the request, whose
+    clean-up then releases every hold, as `guarded` does for a non-streaming answer."""
+    watch = asyncio.create_task(disconnected(request))
+    waiter = asyncio.ensure_future(admitted.wait()) if admitted is not None else None
+    waits: set[asyncio.Future[Any]] = {nxt, watch} if waiter is None else {nxt, watch, waiter}
+    settled = False  # the wait ended by itself (not this handler cancelled)
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        settled = True
+    finally:
+        gone = watch.done() and not watch.cancelled()
+        watch.cancel()
+        if waiter is not None:
+            waiter.cancel()
+        keep = settled and not gone and admitted is not None and admitted.is_set()
+        if not nxt.done() and not keep:
+            nxt.cancel()  # the client went away, or this handler itself is being cancelled
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await nxt
+    if nxt.done() and not nxt.cancelled():
+        return nxt.result()
+    if not nxt.done():
+        return None  # admitted, no chunk yet: the 200 goes out now, keep-alives until the first
+    if gone:
+        raise ApiError("cancelled", "client disconnected")
+    raise ApiError("cancelled", "request cancelled")
+
+
+async def stream_response(
+    request: Request, gen: AsyncIterator[bytes], req: GenRequest | None = None, keepalive_s: float = 0.0
+) -> StreamingResponse:
+    """Hold the 200 until the request is admitted, so refusals before admission (validation,
+    overload, SLO, no worker) are still plain typed HTTP errors, not a 200 with an error event.
+
+    With ``keepalive_s`` > 0 (FLEXLB_SSE_KEEPALIVE_S) and ``req`` given, the response starts as
+    soon as the pipeline admits the request (`GenRequest.on_admitted`: queued on its prefill
+    worker, decode KV held), and a `: keep-alive` comment goes out whenever no chunk came for
+    ``keepalive_s``: a long prefill or a queue no longer outlasts a client's read timeout (httpx:
+    5 s) or a proxy's idle timeout before the first token. An error after that is an `Error`
+    event, then `data: [DONE]`, as for any failure after the first event. With 0 the 200 waits
+    for the first chunk, as before. A client that leaves before the 200 cancels the request;
+    after it, Starlette sees the disconnect and cancels the body, which cancels the request."""
+    admitted: asyncio.Event | None = None
+    if req is not None and keepalive_s > 0:
+        admitted = asyncio.Event()
+        req.on_admitted = admitted.set  # before `gen` starts: it runs the pipeline on its first step
+    nxt: asyncio.Future[bytes] = asyncio.ensure_future(gen.__anext__())
+    first = await _head(request, nxt, admitted)
+    if first is not None and first.startswith(b'data: {"error"'):
         err = json.loads(first[6:])["error"]
         try:  # the request has ended (its error event is out): this only finishes the generator
             await gen.aclose()
@@ -187,8 +237,36 @@ async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> Stream
         raise ApiError(err["code"], err["message"])
 
     async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for b in gen:
-            yield b
+        if first is not None:
+            yield first
+        if keepalive_s <= 0:
+            async for b in gen:
+                yield b
+            return
+        if first is None:
+            yield KEEPALIVE  # through any buffering proxy at once, not only the headers
+        pending: asyncio.Future[bytes] | None = None if first is not None else nxt
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(gen.__anext__())
+                # asyncio.wait, not wait_for: a keep-alive must not cancel the step in flight
+                done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
+                if not done:
+                    yield KEEPALIVE
+                    continue
+                step, pending = pending, None
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            # left early (client gone: Starlette cancels this body): the step in flight runs
+            # the request; cancelling it ends the relay, whose pipeline clean-up releases all
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
