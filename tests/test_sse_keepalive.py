@@ -235,3 +235,46 @@ def test_disconnect_during_keep_alives_cancels_and_releases(slow: Rig) -> None:
     wait_for(lambda: not slow.holds(slow.on, rid) and state() == "cancelled", 10, what=f"{rid} cancelled")
     key = Keys(slow.on.env["cluster"]).reservations(f"decode@{slow.decode}")
     assert int(slow.r.hget(key, "_total") or 0) == 0
+
+
+def test_keep_alives_fill_a_gap_between_tokens(rig: Rig, workers_reset) -> None:
+    """A decode step longer than the keep-alive period (8 modelled ms at time scale 100: 0.8 wall s
+    a token) gets comments between its tokens too, and the client's read timeout never fires."""
+    assert worker_call(rig.prefill, "configure", formula="50", time_scale=1.0).get("ok")
+    assert worker_call(rig.decode, "configure", time_scale=100.0).get("ok")
+    body = {"prompt": "slow decode", "max_new_tokens": 4, "stream": True, "deadline_ms": DEADLINE_MS}
+    with (
+        httpx.Client(timeout=read_timeout()) as c,
+        c.stream("POST", rig.on.url + "/v1/generate", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = [x for x in resp.iter_lines() if x]
+    data = [i for i, x in enumerate(lines) if x.startswith("data: {")]
+    final = json.loads(lines[data[-1]][6:])
+    assert final["done"] and len(final["output_ids"]) == 4, final
+    between = lines[data[0] : data[-1]]
+    assert ": keep-alive" in between, lines
+
+
+def test_cancel_during_keep_alives_ends_the_stream_with_an_error_event(slow: Rig) -> None:
+    """A DELETE after the 200, before the first token: the stream ends with a typed `Error` event
+    then `data: [DONE]` (a failure after the headers), and nothing stays held."""
+    rid = uid("del")
+    body = {"prompt": "cancel me", "max_new_tokens": 20, "stream": True, "request_id": rid}
+    body["deadline_ms"] = DEADLINE_MS
+    lines: list[str] = []
+    with (
+        httpx.Client(timeout=read_timeout()) as c,
+        c.stream("POST", slow.on.url + "/v1/generate", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+            if line == ": keep-alive" and len(lines) == 2:
+                wait_for(lambda: "prefill:running" in slow.holds(slow.on, rid), 5, what="prefill running")
+                gone = slow.on.delete(f"/v1/requests/{rid}")
+                assert gone.status_code == 202, gone.text
+    assert all(x == ": keep-alive" for x in lines[:-2]), lines
+    assert json.loads(lines[-2][6:])["error"]["code"] == "cancelled" and lines[-1] == "data: [DONE]", lines
+    wait_for(lambda: not slow.holds(slow.on, rid), 10, what=f"{rid} released")
