@@ -17,6 +17,7 @@ from app.api.arrival import arrival_of
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.api.streaming import (
+    KEEPALIVE,
     answer,
     collect,
     guarded,
@@ -229,7 +230,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         return {"text": text, "logprobs": None}
 
     gen = _openai_stream(r, req, cid, created, model, "text_completion", include_usage, piece, stops)
-    return await stream_response(request, gen, req, r.settings.sse_keepalive_s)
+    return await stream_response(request, gen)
 
 
 async def _openai_stream(
@@ -255,7 +256,9 @@ async def _openai_stream(
         return sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
     async for kind, payload in relay(r, req):
-        if kind == "first":
+        if kind in ("admitted", "keepalive"):
+            yield KEEPALIVE
+        elif kind == "first":
             yield chunk(piece(stop.feed(detok.feed([payload])), "first"))
         elif kind == "tokens":
             t = stop.feed(detok.feed(payload))
@@ -340,7 +343,7 @@ async def chat(body: ChatRequest, request: Request) -> Any:
         return {"delta": {"content": text} if text or where != "last" else {}}
 
     gen = _openai_stream(r, req, cid, created, model, "chat.completion.chunk", include_usage, piece, stops)
-    return await stream_response(request, gen, req, r.settings.sse_keepalive_s)
+    return await stream_response(request, gen)
 
 
 # ---- native ------------------------------------------------------------------------------------
@@ -391,7 +394,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     async def gen() -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(r.tokenizer)
         async for kind, payload in relay(r, req):
-            if kind == "first":
+            if kind in ("admitted", "keepalive"):
+                yield KEEPALIVE
+            elif kind == "first":
                 yield sse(
                     {
                         "request_id": public_id(req.request_id),
@@ -418,7 +423,7 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
                 break
         yield b"data: [DONE]\n\n"
 
-    return await stream_response(request, gen(), req, r.settings.sse_keepalive_s)
+    return await stream_response(request, gen())
 
 
 # ---- request status and cancel -----------------------------------------------------------------

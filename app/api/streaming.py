@@ -108,10 +108,25 @@ def stored(outcome: dict[str, Any]) -> dict[str, Any]:
 async def relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
     """Run the request in its own task feeding a bounded buffer: the client's reading pace never
     stalls the engine stream, and a client that stops reading (buffer full too long) is cancelled
-    instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
+    instead of buffered forever. Leaving this generator (disconnect) cancels the task.
+
+    With FLEXLB_SSE_KEEPALIVE_S > 0 it also yields ("admitted", None) as soon as the pipeline
+    admits the request (`GenRequest.on_admitted`: queued on its prefill worker, decode KV held;
+    no typed HTTP refusal is left), and ("keepalive", None) whenever no event came for that long
+    after it: the stream answers 200 on the first and sends an SSE comment for both (see
+    `stream_response`). Only an empty buffer starts a timer: a busy stream pays nothing."""
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
     stall = r.settings.sse_stall_timeout_s
+    keepalive = float(r.settings.sse_keepalive_s)
     leaving = False  # set when this generator ends: nobody reads `q` any more
+    started = False  # an event went out (admitted, or any before it): keep-alives may follow
+
+    def admitted() -> None:
+        if not q.full():  # full: events are flowing, the stream started already
+            q.put_nowait(("admitted", None))
+
+    if keepalive > 0:
+        req.on_admitted = admitted
 
     def last(ev: tuple[str, Any]) -> None:
         """The final event always fits: tokens still buffered for a request that ends in an
@@ -146,7 +161,17 @@ async def relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
     task = asyncio.create_task(produce())
     try:
         while True:
-            kind, payload = await q.get()
+            if not started or q.qsize():
+                kind, payload = await q.get()
+            else:
+                try:
+                    # Queue.get leaves the item queued when the timeout cancels it: nothing lost
+                    async with asyncio.timeout(keepalive):
+                        kind, payload = await q.get()
+                except TimeoutError:
+                    yield "keepalive", None
+                    continue
+            started = keepalive > 0
             yield kind, payload
             if kind in ("end", "error", "stored"):
                 return
@@ -173,62 +198,24 @@ def stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
         return e
 
 
-#: An SSE comment line: every SSE parser (the openai SDK's included) skips it; it keeps a client's
-#: read timeout and a proxy's idle timer from firing while the request waits for a token.
+#: An SSE comment line for relay's "admitted" and "keepalive" events: every SSE parser (the
+#: openai SDK's included) skips it; it keeps a client's read timeout and a proxy's idle timer from
+#: firing while the request waits for a token.
 KEEPALIVE = b": keep-alive\n\n"
 
 
-async def _head(request: Request, nxt: asyncio.Future[bytes], admitted: asyncio.Event | None) -> bytes | None:
-    """The stream's first chunk, or None when the request was admitted before it came. Watches
-    the client meanwhile: one that leaves (queued, in prefill) cancels the request, whose
-    clean-up then releases every hold, as `guarded` does for a non-streaming answer."""
-    watch = asyncio.create_task(disconnected(request))
-    waiter = asyncio.ensure_future(admitted.wait()) if admitted is not None else None
-    waits: set[asyncio.Future[Any]] = {nxt, watch} if waiter is None else {nxt, watch, waiter}
-    settled = False  # the wait ended by itself (not this handler cancelled)
-    try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        settled = True
-    finally:
-        gone = watch.done() and not watch.cancelled()
-        watch.cancel()
-        if waiter is not None:
-            waiter.cancel()
-        keep = settled and not gone and admitted is not None and admitted.is_set()
-        if not nxt.done() and not keep:
-            nxt.cancel()  # the client went away, or this handler itself is being cancelled
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await nxt
-    if nxt.done() and not nxt.cancelled():
-        return nxt.result()
-    if not nxt.done():
-        return None  # admitted, no chunk yet: the 200 goes out now, keep-alives until the first
-    if gone:
-        raise ApiError("cancelled", "client disconnected")
-    raise ApiError("cancelled", "request cancelled")
-
-
-async def stream_response(
-    request: Request, gen: AsyncIterator[bytes], req: GenRequest | None = None, keepalive_s: float = 0.0
-) -> StreamingResponse:
-    """Hold the 200 until the request is admitted, so refusals before admission (validation,
+async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
+    """Pull the first chunk before answering 200, so refusals before admission (validation,
     overload, SLO, no worker) are still plain typed HTTP errors, not a 200 with an error event.
-
-    With ``keepalive_s`` > 0 (FLEXLB_SSE_KEEPALIVE_S) and ``req`` given, the response starts as
-    soon as the pipeline admits the request (`GenRequest.on_admitted`: queued on its prefill
-    worker, decode KV held), and a `: keep-alive` comment goes out whenever no chunk came for
-    ``keepalive_s``: a long prefill or a queue no longer outlasts a client's read timeout (httpx:
-    5 s) or a proxy's idle timeout before the first token. An error after that is an `Error`
-    event, then `data: [DONE]`, as for any failure after the first event. With 0 the 200 waits
-    for the first chunk, as before. A client that leaves before the 200 cancels the request;
-    after it, Starlette sees the disconnect and cancels the body, which cancels the request."""
-    admitted: asyncio.Event | None = None
-    if req is not None and keepalive_s > 0:
-        admitted = asyncio.Event()
-        req.on_admitted = admitted.set  # before `gen` starts: it runs the pipeline on its first step
-    nxt: asyncio.Future[bytes] = asyncio.ensure_future(gen.__anext__())
-    first = await _head(request, nxt, admitted)
-    if first is not None and first.startswith(b'data: {"error"'):
+    With FLEXLB_SSE_KEEPALIVE_S > 0 the first chunk of an admitted request that has no token yet
+    is a `: keep-alive` comment (`relay`), so the 200 goes out at admission and a long prefill or
+    queue no longer outlasts a client's read timeout (httpx: 5 s) or a proxy's idle timeout; a
+    failure after that is an `Error` event then `data: [DONE]`. With 0 the 200 waits for the
+    first token. The wait covers queueing and prefill, so a client that leaves meanwhile cancels
+    the request; after the 200, Starlette sees the disconnect and cancels the body, which
+    cancels the request the same way."""
+    first = await guarded(request, gen.__anext__())
+    if first.startswith(b'data: {"error"'):
         err = json.loads(first[6:])["error"]
         try:  # the request has ended (its error event is out): this only finishes the generator
             await gen.aclose()
@@ -237,36 +224,8 @@ async def stream_response(
         raise ApiError(err["code"], err["message"])
 
     async def body() -> AsyncIterator[bytes]:
-        if first is not None:
-            yield first
-        if keepalive_s <= 0:
-            async for b in gen:
-                yield b
-            return
-        if first is None:
-            yield KEEPALIVE  # through any buffering proxy at once, not only the headers
-        pending: asyncio.Future[bytes] | None = None if first is not None else nxt
-        try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(gen.__anext__())
-                # asyncio.wait, not wait_for: a keep-alive must not cancel the step in flight
-                done, _ = await asyncio.wait({pending}, timeout=keepalive_s)
-                if not done:
-                    yield KEEPALIVE
-                    continue
-                step, pending = pending, None
-                try:
-                    chunk = step.result()
-                except StopAsyncIteration:
-                    return
-                yield chunk
-        finally:
-            # left early (client gone: Starlette cancels this body): the step in flight runs
-            # the request; cancelling it ends the relay, whose pipeline clean-up releases all
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pending
+        yield first
+        async for b in gen:
+            yield b
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
