@@ -115,6 +115,11 @@ class Settings(BaseSettings):
     max_context_tokens: int = Field(131072, description="largest prompt + output accepted")
     sse_buffer_chunks: int = Field(64, description="SSE relay buffer (chunks) per stream")
     sse_stall_timeout_s: float = Field(30.0, description="how long a full SSE buffer may wait for the client")
+    sse_keepalive_s: float = Field(
+        2.0,
+        ge=0,
+        description="admitted streams start at once, `: keep-alive` after this long with no token; 0 off",
+    )
     embedded_redis_idle_s: int = Field(60, description="embedded Redis exits after this idle time")
     log_lifecycle_sample: float = Field(
         0.01,

@@ -17,6 +17,7 @@ from app.api.arrival import arrival_of
 from app.api.schemas import ChatRequest, CompletionRequest, GenerateRequest, sampling_of
 from app.api.stop import StopText, TokenStop, cut_at_stop
 from app.api.streaming import (
+    KEEPALIVE,
     answer,
     collect,
     guarded,
@@ -255,7 +256,9 @@ async def _openai_stream(
         return sse({"id": cid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
     async for kind, payload in relay(r, req):
-        if kind == "first":
+        if kind in ("admitted", "keepalive"):
+            yield KEEPALIVE
+        elif kind == "first":
             yield chunk(piece(stop.feed(detok.feed([payload])), "first"))
         elif kind == "tokens":
             t = stop.feed(detok.feed(payload))
@@ -391,7 +394,9 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
     async def gen() -> AsyncIterator[bytes]:
         detok = IncrementalDetokenizer(r.tokenizer)
         async for kind, payload in relay(r, req):
-            if kind == "first":
+            if kind in ("admitted", "keepalive"):
+                yield KEEPALIVE
+            elif kind == "first":
                 yield sse(
                     {
                         "request_id": public_id(req.request_id),

@@ -108,10 +108,25 @@ def stored(outcome: dict[str, Any]) -> dict[str, Any]:
 async def relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
     """Run the request in its own task feeding a bounded buffer: the client's reading pace never
     stalls the engine stream, and a client that stops reading (buffer full too long) is cancelled
-    instead of buffered forever. Leaving this generator (disconnect) cancels the task."""
+    instead of buffered forever. Leaving this generator (disconnect) cancels the task.
+
+    With FLEXLB_SSE_KEEPALIVE_S > 0 it also yields ("admitted", None) as soon as the pipeline
+    admits the request (`GenRequest.on_admitted`: queued on its prefill worker, decode KV held;
+    no typed HTTP refusal is left), and ("keepalive", None) whenever no event came for that long
+    after it: the stream answers 200 on the first and sends an SSE comment for both (see
+    `stream_response`). Only an empty buffer starts a timer: a busy stream pays nothing."""
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=r.settings.sse_buffer_chunks)
     stall = r.settings.sse_stall_timeout_s
+    keepalive = float(r.settings.sse_keepalive_s)
     leaving = False  # set when this generator ends: nobody reads `q` any more
+    started = False  # an event went out (admitted, or any before it): keep-alives may follow
+
+    def admitted() -> None:
+        if not q.full():  # full: events are flowing, the stream started already
+            q.put_nowait(("admitted", None))
+
+    if keepalive > 0:
+        req.on_admitted = admitted
 
     def last(ev: tuple[str, Any]) -> None:
         """The final event always fits: tokens still buffered for a request that ends in an
@@ -146,7 +161,17 @@ async def relay(r: Any, req: GenRequest) -> AsyncIterator[tuple[str, Any]]:
     task = asyncio.create_task(produce())
     try:
         while True:
-            kind, payload = await q.get()
+            if not started or q.qsize():
+                kind, payload = await q.get()
+            else:
+                try:
+                    # Queue.get leaves the item queued when the timeout cancels it: nothing lost
+                    async with asyncio.timeout(keepalive):
+                        kind, payload = await q.get()
+                except TimeoutError:
+                    yield "keepalive", None
+                    continue
+            started = keepalive > 0
             yield kind, payload
             if kind in ("end", "error", "stored"):
                 return
@@ -173,10 +198,22 @@ def stored_or_error(outcome: dict[str, Any]) -> dict[str, Any] | ApiError:
         return e
 
 
+#: An SSE comment line for relay's "admitted" and "keepalive" events: every SSE parser (the
+#: openai SDK's included) skips it; it keeps a client's read timeout and a proxy's idle timer from
+#: firing while the request waits for a token.
+KEEPALIVE = b": keep-alive\n\n"
+
+
 async def stream_response(request: Request, gen: AsyncIterator[bytes]) -> StreamingResponse:
-    """Pull the first chunk before answering 200, so errors before any token (validation,
-    overload, no worker) are still plain typed HTTP errors, not a 200 with an error event. The
-    wait covers queueing and prefill, so a client that leaves meanwhile cancels the request."""
+    """Pull the first chunk before answering 200, so refusals before admission (validation,
+    overload, SLO, no worker) are still plain typed HTTP errors, not a 200 with an error event.
+    With FLEXLB_SSE_KEEPALIVE_S > 0 the first chunk of an admitted request that has no token yet
+    is a `: keep-alive` comment (`relay`), so the 200 goes out at admission and a long prefill or
+    queue no longer outlasts a client's read timeout (httpx: 5 s) or a proxy's idle timeout; a
+    failure after that is an `Error` event then `data: [DONE]`. With 0 the 200 waits for the
+    first token. The wait covers queueing and prefill, so a client that leaves meanwhile cancels
+    the request; after the 200, Starlette sees the disconnect and cancels the body, which
+    cancels the request the same way."""
     first = await guarded(request, gen.__anext__())
     if first.startswith(b'data: {"error"'):
         err = json.loads(first[6:])["error"]

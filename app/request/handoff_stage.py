@@ -155,6 +155,8 @@ class HandoffStage(RequestContext):
         n_cap = hit_blocks_cap(len(req.input_ids), bs)
         self.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
         self.wake_owner(wid)
+        if req.on_admitted is not None:  # admitted: the stream may answer 200 now (keep-alives)
+            req.on_admitted()
         reply = await fut
         while reply.get("att", str(attempt)) != str(attempt):  # stale: an earlier hand-off's answer
             reply = await self.replies.expect(rid)

@@ -59,6 +59,10 @@ class GenRequest:
     # The tenant's limit check (app/security/tenants.LimitCheck) when it has limits: the first
     # round trip that records the request runs through it, so a refused request writes nothing.
     limit: LimitCheck | None = None
+    # Called once the request is admitted and queued on its prefill worker with its decode KV
+    # held: no typed HTTP refusal is left, so a stream may send its 200 before the first token
+    # (app/api/streaming.py, FLEXLB_SSE_KEEPALIVE_S). None: nobody waits for it.
+    on_admitted: Callable[[], None] | None = None
 
 
 @dataclass
