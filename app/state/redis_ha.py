@@ -21,9 +21,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from app.netports import free_port
 from app.state.embedded_redis import find_redis_server
@@ -36,6 +38,13 @@ def _pdeathsig() -> None:  # pragma: no cover - runs in the forked child
     """preexec_fn: SIGTERM this redis-server when its starter dies. Only prctl, no allocation or
     lock, so it is safe even though the forking process may have threads."""
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _plain(port: int, **kw: Any) -> redis.Redis:
+    """A client of one local server of the set, without client-side retries: redis-py 8 retries a
+    connection error 10 times with back-off by default, so a probe of a server that is down (the
+    point of most probes here) would block for seconds instead of answering "no"."""
+    return redis.Redis(host="127.0.0.1", port=port, retry=Retry(NoBackoff(), 0), **kw)
 
 
 class RedisHAError(RuntimeError):
@@ -110,7 +119,7 @@ class RedisHA:
     def master_port(self) -> int | None:
         """The master's port as the first sentinel that answers sees it; None if none answers."""
         for port in self.sentinels:
-            s = redis.Redis(port=port, socket_timeout=0.5)
+            s = _plain(port, socket_timeout=0.5)
             try:
                 addr = s.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
                 if addr:
@@ -130,7 +139,7 @@ class RedisHA:
         leader election, and the retry waits 2 x failover-timeout: the failover test saw no new
         master within 8 s when the master died 2 s after start-up."""
         for port in self.sentinels:
-            s = redis.Redis(port=port, socket_timeout=0.5)
+            s = _plain(port, socket_timeout=0.5)
             try:
                 others = s.execute_command("SENTINEL", "sentinels", MASTER)
                 replicas = s.execute_command("SENTINEL", "replicas", MASTER)
@@ -143,7 +152,7 @@ class RedisHA:
         return True
 
     def _replica_synced(self) -> bool:
-        r = redis.Redis(port=self.ports["b"], socket_timeout=0.5)
+        r = _plain(self.ports["b"], socket_timeout=0.5)
         try:
             return bool(r.info("replication").get("master_link_status") == "up")
         except redis.RedisError:
@@ -156,7 +165,7 @@ class RedisHA:
         port = self.master_port()
         if port is None:
             raise RedisHAError("no sentinel knows the master")
-        return redis.Redis(port=port)
+        return _plain(port)
 
     def kill_master(self) -> str:
         """SIGKILL the current master's server (a fault for the failover test); its name."""
