@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from app.cluster.rendezvous import assign
 from app.netports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,3 +128,34 @@ def wait_for(cond: Any, timeout: float, interval: float = 0.05, what: str = "con
 def specs(pool: dict[str, list[Any]]) -> str:
     """The ``--workers`` argument naming every worker of the session pool (``role@address``)."""
     return ",".join(f"{w.role}@{w.address}" for ws in pool.values() for w in ws)
+
+
+def lease_owner(gw: Gateway, wid: str) -> str | None:
+    """The replica holding `wid`'s owner lease, as `gw` reports it."""
+    leases = gw.get("/admin/leases", admin=True).json()
+    return (leases["owners"].get(wid) or {}).get("holder")
+
+
+def log_messages(gw: Gateway) -> list[str]:
+    """The replica's log messages (its log is JSON lines)."""
+    return [str(json.loads(ln).get("msg", "")) for ln in gw.log().splitlines() if ln.startswith("{")]
+
+
+def metric_value(gw: Gateway, name: str, **labels: str) -> float:
+    """The sum of `name`'s series on `gw`'s /metrics whose labels include `labels`."""
+    total = 0.0
+    for line in gw.get("/metrics").text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def ids_owning(workers: list[str], wid: str, prefix: str = "gw-") -> tuple[str, str]:
+    """Replica ids (a, b) for which rendezvous hashing gives `wid` to a, so whether leases are
+    taken first-come or rebalanced, a owns it while both live."""
+    for i in range(1000):
+        a, b = f"{prefix}a{i}", f"{prefix}b{i}"
+        if assign(workers, [a, b])[wid] == a:
+            return a, b
+    raise AssertionError("no split found")

@@ -14,7 +14,6 @@ test pins down the dispatch's own guard against a lagging epoch view, with a sta
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 import uuid
@@ -26,46 +25,17 @@ import redis
 
 from app import metrics as M
 from app.cluster.leases import Lease, acquire_leases
-from app.cluster.rendezvous import assign
 from app.dispatch.owner import OwnerDispatcher
 from app.state.handoff import GROUP, pack_tokens
 from app.state.keys import Keys
 
 from .conftest import finished_records, handoff_rig, record_mark, start_worker, worker_call
-from .gateways import Gateway, start_gateway, wait_for
+from .gateways import Gateway, ids_owning, lease_owner, log_messages, metric_value, start_gateway, wait_for
 
 TTL_S = 3.0  # the default owner lease TTL (FLEXLB_LEASE_TTL_MS=3000)
 DEADLINE_S = 120.0  # the default request timeout: what the client waited before the fix
 SLOW_FORMULA = "600000"  # A's batch runs 600 modelled s: only the restart ends it
 ANSWER_AFTER_RESTART_S = 30.0  # a loose wall bound, far below DEADLINE_S (it takes ~1 s idle)
-
-
-def _owner(gw: Gateway, wid: str) -> str | None:
-    leases = gw.get("/admin/leases", admin=True).json()
-    return (leases["owners"].get(wid) or {}).get("holder")
-
-
-def _messages(gw: Gateway) -> list[str]:
-    """The replica's log messages (its log is JSON lines)."""
-    return [str(json.loads(ln).get("msg", "")) for ln in gw.log().splitlines() if ln.startswith("{")]
-
-
-def _metric(gw: Gateway, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in gw.get("/metrics").text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{")[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
-
-
-def _ids_owning(workers: list[str], wid: str) -> tuple[str, str]:
-    """Replica ids (a, b) for which rendezvous hashing gives `wid` to a, so a owns it while both live."""
-    for i in range(1000):
-        a, b = f"gw-ra{i}", f"gw-rb{i}"
-        if assign(workers, [a, b])[wid] == a:
-            return a, b
-    raise AssertionError("no split found")
 
 
 def test_adopted_request_runs_again_once_when_its_worker_restarts(
@@ -79,7 +49,7 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
     port = own.ready["grpc_port"]
     wid = f"prefill@{own.address}"
     dec = f"decode@{worker_pool['decode'][0].address}"
-    id_a, id_b = _ids_owning([wid, dec], wid)
+    id_a, id_b = ids_owning([wid, dec], wid, "gw-r")
     keys = Keys(cluster)
     r = redis.Redis.from_url(shared_embedded_redis)
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, f"{wid},{dec}", FLEXLB_REPLICA_ID=id_a)
@@ -107,12 +77,12 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
 
     try:
         wait_for(lambda: a.readyz()["workers"].get(wid) == "up", 30, what="worker up on A")
-        wait_for(lambda: _owner(a, wid) == id_a, 10, what="A owns the worker")
+        wait_for(lambda: lease_owner(a, wid) == id_a, 10, what="A owns the worker")
         b = start_gateway(tmp_path, shared_embedded_redis, cluster, FLEXLB_REPLICA_ID=id_b)
         wait_for(
             lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 10, what="2 live"
         )
-        assert _owner(b, wid) == id_a
+        assert lease_owner(b, wid) == id_a
         assert worker_call(own.address, "configure", formula=SLOW_FORMULA)["ok"]
         th = threading.Thread(target=call, daemon=True)
         th.start()
@@ -120,13 +90,15 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
         assert r.hget(keys.request(rid), "origin") == id_b.encode()  # the client waits on B
         # The owner dies by SIGKILL: no stream end, no drain; B takes over and adopts the request.
         a.kill()
-        wait_for(lambda: _owner(b, wid) == id_b, 2 * TTL_S + 2, what="B takes over the lease")
+        wait_for(lambda: lease_owner(b, wid) == id_b, 2 * TTL_S + 2, what="B takes over the lease")
         wait_for(
-            lambda: _metric(b, "flexlb_owner_claimed_total", outcome="adopted") == 1,
+            lambda: metric_value(b, "flexlb_owner_claimed_total", outcome="adopted") == 1,
             10,
             what="B adopts the running request",
         )
-        wait_for(lambda: f"worker {wid} health unknown -> up" in _messages(b), 10, what="B polls the worker")
+        wait_for(
+            lambda: f"worker {wid} health unknown -> up" in log_messages(b), 10, what="B polls the worker"
+        )
         assert "resp" not in answer and running_on_worker()
         # The worker crashes and comes back on its port with a new epoch: the request is gone.
         old_epoch = own.epoch
@@ -151,9 +123,9 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
         assert recs[0]["batch_id"] == out["batch_id"], (recs, out)
         assert worker_call(own.address, "status")["epoch"] == own.epoch
         assert (r.hget(keys.request(rid), "state") or b"").decode() == "completed"
-        assert _metric(b, "flexlb_owner_claimed_total", outcome="rerun") == 1
-        assert _metric(b, "flexlb_owner_claimed_total", outcome="redispatched") == 0
-        assert any(f"under adopted request {rid}: running it again" in m for m in _messages(b))
+        assert metric_value(b, "flexlb_owner_claimed_total", outcome="rerun") == 1
+        assert metric_value(b, "flexlb_owner_claimed_total", outcome="redispatched") == 0
+        assert any(f"under adopted request {rid}: running it again" in m for m in log_messages(b))
         # Nothing left owed: the old-epoch batch settled, the re-run's settled on its reply.
         wait_for(lambda: not r.hlen(keys.ledger(wid)), 10, what="an empty ledger")
     finally:

@@ -24,36 +24,14 @@ import time
 import httpx
 import redis
 
-from app.cluster.rendezvous import assign
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 
 from .conftest import finished_records, start_worker, worker_call
-from .gateways import Gateway, start_gateway, wait_for
+from .gateways import Gateway, ids_owning, lease_owner, log_messages, start_gateway, wait_for
 
 TTL_S = 3.0  # the default owner lease TTL (FLEXLB_LEASE_TTL_MS=3000)
 TIMEOUT_MS = 300_000  # the request's deadline: the adoption waits this long for a finished record
-
-
-def _owner(gw: Gateway, wid: str) -> str | None:
-    leases = gw.get("/admin/leases", admin=True).json()
-    return (leases["owners"].get(wid) or {}).get("holder")
-
-
-def _messages(gw: Gateway) -> list[str]:
-    """The replica's log messages (its log is JSON lines)."""
-    lines = gw.log().splitlines()
-    return [str(json.loads(ln).get("msg", "")) for ln in lines if ln.startswith("{")]
-
-
-def _ids_owning(workers: list[str], wid: str) -> tuple[str, str]:
-    """Replica ids (a, b) for which rendezvous hashing gives `wid` to a, so whether leases are
-    taken first-come or rebalanced, a owns it while both live."""
-    for i in range(1000):
-        a, b = f"gw-ea{i}", f"gw-eb{i}"
-        if assign(workers, [a, b])[wid] == a:
-            return a, b
-    raise AssertionError("no split found")
 
 
 def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
@@ -63,7 +41,7 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
     port = own.ready["grpc_port"]
     wid = f"prefill@{own.address}"
     dec = f"decode@{worker_pool['decode'][0].address}"
-    id_a, id_b = _ids_owning([wid, dec], wid)
+    id_a, id_b = ids_owning([wid, dec], wid, "gw-e")
     keys = Keys(cluster)
     r = redis.Redis.from_url(shared_embedded_redis)
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, f"{wid},{dec}", FLEXLB_REPLICA_ID=id_a)
@@ -90,12 +68,12 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
 
     try:
         wait_for(lambda: a.readyz()["workers"].get(wid) == "up", 30, what="worker up on A")
-        wait_for(lambda: _owner(a, wid) == id_a, 10, what="A owns the worker")
+        wait_for(lambda: lease_owner(a, wid) == id_a, 10, what="A owns the worker")
         b = start_gateway(tmp_path, shared_embedded_redis, cluster, FLEXLB_REPLICA_ID=id_b)
         wait_for(
             lambda: len(a.get("/admin/leases", admin=True).json()["live_replicas"]) == 2, 10, what="2 live"
         )
-        assert _owner(b, wid) == id_a
+        assert lease_owner(b, wid) == id_a
         # A's batch, held running by a slow formula (600 s), committed by A under the first epoch.
         assert worker_call(own.address, "configure", formula="600000")["ok"]
         th = threading.Thread(target=call, daemon=True)
@@ -112,7 +90,7 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         )
         # The owner dies by SIGKILL: no stream end, no drain, nobody settles the batch.
         a.kill()
-        wait_for(lambda: _owner(b, wid) == id_b, 2 * TTL_S + 2, what="B takes over the lease")
+        wait_for(lambda: lease_owner(b, wid) == id_b, 2 * TTL_S + 2, what="B takes over the lease")
         # B's claim finds the request still running on the worker and adopts it: the batch stays
         # in the ledger, owed, and B's poller knows the worker under its first epoch.
         wait_for(
@@ -120,7 +98,9 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
             10,
             what="B adopts the running request",
         )
-        wait_for(lambda: f"worker {wid} health unknown -> up" in _messages(b), 10, what="B polls the worker")
+        wait_for(
+            lambda: f"worker {wid} health unknown -> up" in log_messages(b), 10, what="B polls the worker"
+        )
         assert held_batch() is not None
         # A was the request's origin too: the master's reaper ends it `owner_lost` (DESIGN §6).
         wait_for(lambda: r.hget(keys.request(rid), "state") == b"owner_lost", 15, what="the reaper ends it")
@@ -151,7 +131,7 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         )
         metrics = b.get("/metrics").text
         assert f'flexlb_worker_epoch_changes_total{{worker="{wid}"}} 1.0' in metrics
-        assert f"worker {wid} restarted (old epoch {old_epoch}): settled 1 batches" in _messages(b)
+        assert f"worker {wid} restarted (old epoch {old_epoch}): settled 1 batches" in log_messages(b)
         # The sweep, not the claim or the audit, settled it.
         assert 'flexlb_owner_claimed_total{outcome="redispatched"} 0.0' in metrics
         # Ended, it is not run again on the new epoch (app/dispatch/adopt.py): its claimed entry
