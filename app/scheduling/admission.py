@@ -121,7 +121,9 @@ def decide(
     one does, with Retry-After the time that backlog needs to drain. Admitting it behind a
     backlog as well (up to the budget) cost the short requests queued behind it: in the
     simulator (conversation trace, 8P+8D, load 1.0) TTFT p50 230 → 527 ms. A client's own
-    deadline is held as it is.
+    deadline is held as it is. "Nothing waits ahead" judged on `view` alone is a snapshot's
+    word: with several replicas it is stale, so such an admission says `require_idle` and the
+    hand-off confirms it on the live state (`idle_on_live`) in the step that queues the request.
 
     `retry_after_s` on a refusal is the time the worker's predicted backlog needs to fall back
     within the budget, at least the configured floor: a client that honours it comes back when
