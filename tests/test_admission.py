@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from app.scheduling.admission import AdmissionConfig, decide, expected_batch_wait_ms, predicted_ttft_ms
+from app.scheduling.admission import (
+    IDLE_EPS_MS,
+    AdmissionConfig,
+    decide,
+    expected_batch_wait_ms,
+    idle_on_live,
+    predicted_ttft_ms,
+)
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.formula import BatchItem
 from app.scheduling.routing import WorkerView
@@ -55,6 +62,33 @@ def test_a_prompt_whose_own_prefill_exceeds_the_cluster_slo_runs_on_an_idle_work
     # the client's own deadline: unattainable is unattainable; admission off admits all
     assert not decide(cfg, view(), 7800, 3000, explicit=True).admit
     assert decide(AdmissionConfig(mode="off"), view(9000), 7800, 3000, explicit=False).admit
+
+
+def test_an_over_slo_prompt_is_admitted_only_if_the_worker_is_idle_on_the_live_state() -> None:
+    """The snapshot a verdict reads may be stale (another replica just handed a long prompt or
+    short ones to the same worker): an over-SLO prompt's admission says `require_idle`, and the
+    hand-off (live: its script, atomically with queueing it; sim: the exact state) confirms the
+    worker idle on the live queued + owed ms with `idle_on_live`, or refuses it with Retry-After
+    that live backlog's drain time. Every other verdict passes `idle_on_live` unchanged."""
+    cfg = AdmissionConfig()
+    idle = decide(cfg, view(), 7800, 3000, explicit=False)
+    assert idle.admit and idle.require_idle
+    assert idle_on_live(cfg, idle, 0.0, 0.0) == idle
+    assert idle_on_live(cfg, idle, IDLE_EPS_MS, 0.0) == idle  # the counter's text residue
+    busy = idle_on_live(cfg, idle, 7800.0, 1200.0)  # another origin's long prompt got there first
+    assert not busy.admit and busy.reason == "slo_unattainable" and not busy.require_idle
+    assert busy.retry_after_s == pytest.approx(9.0)  # the live backlog's drain time
+    assert busy.predicted_ms == pytest.approx(7800 + 9000)
+    scaled = decide(cfg, view(), 7800, 500, time_scale=0.1, explicit=False)  # 780 wall ms > 500
+    assert scaled.admit and scaled.require_idle
+    assert idle_on_live(cfg, scaled, 20000.0, 0.0, time_scale=0.1).retry_after_s == pytest.approx(2.0)
+    assert idle_on_live(cfg, scaled, 1.0, 0.0, time_scale=0.1).retry_after_s == cfg.retry_after_s  # floor
+    # requests that fit the SLO, or carry their own deadline, never ask for an idle worker
+    fits = decide(cfg, view(1000, 500), 1000, 3000, explicit=False)
+    assert fits.admit and not fits.require_idle
+    assert idle_on_live(cfg, fits, 5000.0, 5000.0) == fits
+    assert not decide(cfg, view(), 1000, 3000, explicit=True).require_idle
+    assert not decide(AdmissionConfig(mode="off"), view(), 7800, 3000, explicit=False).require_idle
 
 
 def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:

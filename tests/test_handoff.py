@@ -68,3 +68,39 @@ async def test_handoff_reads_the_ledgers_owed_time_in_its_round_trip(redis_url: 
         if keys_left:
             await r.delete(*keys_left)
         await r.aclose()
+
+
+async def test_a_require_idle_handoff_queues_only_onto_an_idle_worker(redis_url: str, cluster: str) -> None:
+    """`idle_eps` (a prompt longer than the cluster SLO, `Verdict.require_idle`): the script
+    hands off only while the worker's live queued + owed ms are within it, and otherwise writes
+    nothing and answers `NOT_IDLE` with that live backlog, queued and owed (the ledger's)."""
+    import time
+
+    from app.state.handoff import NOT_IDLE
+
+    r = aioredis.from_url(redis_url)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    await st.load_scripts()
+    h = Handoff(st)
+    wid = "prefill@127.0.0.1:3"
+    try:
+        await h.ensure_group(wid)
+        first, queued, _ = await h.append(wid, {"rid": "long1"}, b"", 7800.0, 100, 1.0, b"", 0.01)
+        assert first not in (None, NOT_IDLE) and queued == 7800.0
+        second, queued, owed = await h.append(wid, {"rid": "long2"}, b"", 7800.0, 100, 1.0, b"", 0.01)
+        assert second == NOT_IDLE and (queued, owed) == (7800.0, 0.0)
+        assert await r.xlen(keys.queue(wid)) == 1 and float(await r.get(keys.queued_ms(wid))) == 7800.0
+        # a short request is not asked to find the worker idle
+        short, queued, _ = await h.append(wid, {"rid": "short"}, b"", 100.0, 100)
+        assert short not in (None, NOT_IDLE) and queued == 7900.0
+        # the queue drained into a running batch: its owed ms still count as waiting ahead
+        other = "prefill@127.0.0.1:4"
+        await r.set(keys.owner_lease(other), "A|1", px=60_000)
+        await st.commit_batch(other, "run", ["x"], 5000.0, time.time() * 1000, 1, "A")
+        busy, queued, owed = await h.append(other, {"rid": "long3"}, b"", 7800.0, 100, 1.0, b"", 0.01)
+        assert busy == NOT_IDLE and queued == 0.0 and 4000.0 < owed <= 5000.0
+        assert await r.xlen(keys.queue(other)) == 0
+    finally:
+        await r.delete(*[k async for k in r.scan_iter(f"{cluster}:*")] or ["_"])
+        await r.aclose()

@@ -213,3 +213,84 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
     finally:
         gw.stop()
         asyncio.run(conf(reset=True))
+
+
+@pytest.mark.parametrize("n_prefill", [1, 2])
+def test_two_replicas_never_both_admit_over_slo_prompts_onto_one_idle_worker(
+    worker_pool, shared_embedded_redis, cluster, tmp_path, n_prefill
+) -> None:
+    """An over-SLO prompt is admitted only when nothing waits ahead of it on its worker. Judged
+    on each replica's snapshot alone, replicas whose snapshots both show the worker idle both
+    admitted one onto it (the 30 s poll interval here keeps every snapshot as it was at start, as
+    a stale one is between polls). The hand-off script checks idleness on the live queued and
+    owed ms in the step that queues the prompt: sent at once through both replicas (the owner's
+    and the other, so both the owner's delivering hand-off and the plain one are covered), one
+    long prompt per prefill worker is admitted and the one more is refused 429 `slo_unattainable`
+    with Retry-After from the live backlog. With two prefill workers the fresh pick's script
+    (HANDOFF_PICK) sends the second prompt to the idle worker, and refuses the third. Worker
+    batches take 20000 modelled ms at time scale 0.1 (2 s wall, cluster SLO 300 wall ms)."""
+    ps = worker_pool["prefill"][:n_prefill]
+    d = worker_pool["decode"][0]
+    assert len(ps) == n_prefill
+
+    async def conf(reset: bool) -> None:
+        for addr, kw in [
+            *((p.address, {"formula": "20000", "time_scale": 0.1}) for p in ps),
+            (d.address, {}),
+        ]:
+            c = WorkerClient(addr)
+            await c.reset()
+            if not reset and kw:
+                await c.configure(**kw)
+            await c.close()
+
+    asyncio.run(conf(reset=False))
+    spec = ",".join([*(f"prefill@{p.address}" for p in ps), f"decode@{d.address}"])
+    env = {"FLEXLB_POLL_INTERVAL_MS": "30000", "FLEXLB_FRESH_PICK": "1"}
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster, **env)
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
+        h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        cfg = {"schedule_mode": "direct", "prefill_time_formula": "20000"}
+        assert httpx.put(a.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(
+            lambda: all("runtime config v1 applied" in g.log() for g in (a, b)), 30, what="config applied"
+        )
+        for g in (a, b):  # every worker's time scale reaches both replicas with the first snapshot
+            wait_for(
+                lambda g=g: g.get("/admin/workers", admin=True).text.count('"time_scale":"0.1"') == n_prefill,
+                30,
+                what="worker snapshots",
+            )
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                gws = [a, b, a][: n_prefill + 1]
+                return list(
+                    await asyncio.gather(
+                        *(
+                            c.post(
+                                g.url + "/v1/generate",
+                                json={"prompt": f"long prompt {i} " + "x" * 200, "max_new_tokens": 1},
+                            )
+                            for i, g in enumerate(gws)
+                        )
+                    )
+                )
+
+        resps = asyncio.run(run())
+        codes = sorted(r.status_code for r in resps)
+        assert codes == [200] * n_prefill + [429], [r.text for r in resps]
+        refused = next(r for r in resps if r.status_code == 429)
+        assert refused.json()["error"]["code"] == "slo_unattainable", refused.text
+        assert "busy" in refused.json()["error"]["message"], refused.text  # the script's refusal
+        # the live backlog: a 20000 modelled ms prompt at scale 0.1 drains in ~2 s
+        assert 1 <= int(refused.headers["retry-after"]) <= 2, refused.headers
+        served = [r.json() for r in resps if r.status_code == 200]
+        if n_prefill == 2:  # one on each worker
+            assert len({s["prefill_worker"] for s in served}) == 2, served
+    finally:
+        a.stop()
+        b.stop()
+        asyncio.run(conf(reset=True))

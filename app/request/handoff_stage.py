@@ -16,7 +16,8 @@ from app.request.context import RequestContext
 from app.request.handoff_round_trip import PairArgs
 from app.request.routing_inputs import FreshPair
 from app.request.types import ENGINE_TO_API, GenRequest, NotStarted, Progress
-from app.state.handoff import pack_keys, pack_tokens
+from app.scheduling.admission import IDLE_EPS_MS, Verdict, idle_on_live
+from app.state.handoff import NOT_IDLE, pack_keys, pack_tokens
 
 
 class HandoffStage(RequestContext):
@@ -66,10 +67,13 @@ class HandoffStage(RequestContext):
         bs: int,
         hit_tokens: int = 0,
         pair: FreshPair | None = None,
+        admitted: Verdict | None = None,
     ) -> dict[str, str]:
         """Hand the prompt to ``wid``'s owner and wait for its reply. With ``pair`` (a fresh id
         and FLEXLB_FRESH_PICK) the hand-off script chooses between ``wid`` and the pair's
-        runner-up on both workers' live load, in the same round trip (`HANDOFF_PICK`)."""
+        runner-up on both workers' live load, in the same round trip (`HANDOFF_PICK`). An
+        ``admitted`` verdict that `require_idle` (a prompt longer than the cluster SLO) goes
+        only onto an idle worker, judged by the script on the live state (`_not_idle`)."""
         rid = req.request_id
         # The queue's counter gains exactly what the entry says (`pred`, 3 decimals), which is what
         # the owner takes off at commit: 6 decimals here left ~0.0005 ms per request behind, a
@@ -93,6 +97,7 @@ class HandoffStage(RequestContext):
         base = self._queued_base(wid)
         self.fleet.queued_overlay[wid] = (base + predicted, time.time())
         held = -1
+        idle_eps = IDLE_EPS_MS if admitted is not None and admitted.require_idle else None
         fresh = p.stage == "new"
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
             args = None
@@ -103,7 +108,7 @@ class HandoffStage(RequestContext):
                 args = PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred)
             try:
                 entry, queued, owed, held, picked = await self._record_and_append(
-                    req, p, wid, meta, predicted, args, packed_keys
+                    req, p, wid, meta, predicted, args, packed_keys, idle_eps
                 )
             except ApiError:  # refused by the tenant's limit: nothing was queued
                 self.replies.forget(rid)
@@ -127,8 +132,11 @@ class HandoffStage(RequestContext):
                 self.settings.max_queue_len,
                 self._scale(wid),
                 packed_keys,
+                idle_eps,
             )
         self.owed_overlay[wid] = (owed, time.time())
+        if entry == NOT_IDLE and admitted is not None:
+            self._not_idle(req, p, wid, queued, owed, admitted, fresh)
         if entry is None:
             self.replies.forget(rid)
             if fresh:
@@ -183,3 +191,22 @@ class HandoffStage(RequestContext):
         p.queue_ms = max(0.0, (p.t_first - p.t_handoff) * 1000 - p.prefill_ms)
         self._log("prefilled", req, p)
         return reply
+
+    def _not_idle(
+        self, req: GenRequest, p: Progress, wid: str, queued: float, owed: float, v: Verdict, fresh: bool
+    ) -> None:
+        """A `require_idle` hand-off the script refused: ``wid`` was busy on the live state
+        (``queued`` / ``owed`` ms, without this request), nothing was queued. 429
+        `slo_unattainable`, Retry-After from that live backlog (`admission.idle_on_live`)."""
+        self.replies.forget(req.request_id)
+        self.fleet.queued_overlay[wid] = (queued, time.time())
+        if fresh:
+            self._log("queued", req, p)
+        refused = idle_on_live(self.runtime.admission, v, queued, owed, self._scale(wid))
+        M.ADMISSION_REJECTIONS.labels("slo_unattainable").inc()
+        raise ApiError(
+            "slo_unattainable",
+            f"prompt's own prefill exceeds the cluster SLO and {wid} is busy "
+            f"({queued + owed:.0f} ms queued and owed); retry later",
+            retry_after_s=refused.retry_after_s,
+        )

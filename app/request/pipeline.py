@@ -140,12 +140,20 @@ class Pipeline(RoutingInputs, RecordStage, HandoffRoundTrip, HandoffStage, Decod
             raise ApiError(
                 "no_worker", exc.reason if hasattr(exc, "reason") else str(exc), retry_after_s=1
             ) from None
-        self._admit(req, p, pchoice, pviews)
+        admitted = self._admit(req, p, pchoice, pviews)
         retried = False
         for attempt in range(2):
             try:
                 reply = await self._prefill(
-                    req, p, pchoice.worker_id, pchoice.predicted_ms, keys, bs, pchoice.hit_tokens, pair
+                    req,
+                    p,
+                    pchoice.worker_id,
+                    pchoice.predicted_ms,
+                    keys,
+                    bs,
+                    pchoice.hit_tokens,
+                    pair,
+                    admitted,
                 )
             except NotStarted as ns:
                 # The whole batch failed before the worker accepted it: nothing ran, so the

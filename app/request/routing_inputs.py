@@ -16,8 +16,8 @@ from app.gateway.errors import ApiError
 from app.protocol.blocks import block_keys
 from app.request.context import RequestContext
 from app.request.types import GATEWAY_FLOOR_MS, GenRequest, Progress
+from app.scheduling.admission import Verdict, expected_batch_wait_ms
 from app.scheduling.admission import decide as admission_decide
-from app.scheduling.admission import expected_batch_wait_ms
 from app.scheduling.formula import BatchItem
 from app.scheduling.plugins.registry import Candidates
 from app.scheduling.policy import Policy
@@ -292,16 +292,17 @@ class RoutingInputs(RequestContext):
         """The worker's time scale (wall ms per modelled ms) from its snapshot."""
         return float(self.fleet.snapshots.get(wid, {}).get("time_scale", 1.0) or 1.0)
 
-    def _admit(self, req: GenRequest, p: Progress, choice: Any, views: list[WorkerView]) -> None:
+    def _admit(self, req: GenRequest, p: Progress, choice: Any, views: list[WorkerView]) -> Verdict | None:
         """SLO admission on the chosen worker (app/scheduling/admission.py), before anything is
         handed off: a request that cannot meet its deadline there gets 429 `slo_unattainable`
-        at once instead of queueing where it would miss anyway and delay the rest."""
+        at once instead of queueing where it would miss anyway and delay the rest. Returns the
+        verdict (None when admission is off): one that `require_idle` travels to the hand-off."""
         cfg = self.runtime.admission
         if cfg.mode == "off":
-            return
+            return None
         view = next((v for v in views if v.id == choice.worker_id), None)
         if view is None:
-            return
+            return None
         scale = float(self.fleet.snapshots.get(choice.worker_id, {}).get("time_scale", 1.0) or 1.0)
         bc = self.runtime.batcher_config
         own = choice.predicted_ms or self.runtime.formula.predict_batch(
@@ -329,3 +330,4 @@ class RoutingInputs(RequestContext):
                 f"the deadline ({budget:.0f} ms left); retry later",
                 retry_after_s=v.retry_after_s,
             )
+        return v

@@ -35,10 +35,12 @@ from app.scheduling.routing import WorkerView
 __all__ = [
     "ADMISSION_MODES",
     "DROP_LATE",
+    "IDLE_EPS_MS",
     "REJECT_REASONS",
     "AdmissionConfig",
     "Verdict",
     "decide",
+    "idle_on_live",
     "predicted_ttft_ms",
 ]
 
@@ -46,6 +48,10 @@ ADMISSION_MODES = ("slo", "off")
 DROP_LATE = ("explicit", "always")
 #: Every reason a request may be refused or ended for its deadline (pre-registered metric labels).
 REJECT_REASONS = ("slo_unattainable", "deadline_passed_in_queue")
+#: Live queued + owed ms (modelled) at or below which a worker counts as idle for a prompt
+#: admitted on `Verdict.require_idle`: the queued counter is kept as 6-decimal text, so sums of
+#: 3-decimal predictions may leave a residue of a few micro-ms on an empty queue.
+IDLE_EPS_MS = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +85,12 @@ class Verdict:
     budget_ms: float
     reason: str = ""  # one of REJECT_REASONS when refused
     retry_after_s: float = 0.0
+    # Admitted only if the worker is idle on the live shared state, checked atomically where the
+    # hand-off adds the request's queued ms (`idle_on_live`; live: the hand-off script's
+    # `require_idle`, sim: the cluster's exact state). Set for a prompt whose own prefill exceeds
+    # the cluster SLO: the snapshot this verdict read may be stale (another replica may just have
+    # handed a long prompt or short ones to the same worker).
+    require_idle: bool = False
 
 
 def predicted_ttft_ms(
@@ -109,7 +121,9 @@ def decide(
     one does, with Retry-After the time that backlog needs to drain. Admitting it behind a
     backlog as well (up to the budget) cost the short requests queued behind it: in the
     simulator (conversation trace, 8P+8D, load 1.0) TTFT p50 230 → 527 ms. A client's own
-    deadline is held as it is.
+    deadline is held as it is. "Nothing waits ahead" judged on `view` alone is a snapshot's
+    word: with several replicas it is stale, so such an admission says `require_idle` and the
+    hand-off confirms it on the live state (`idle_on_live`) in the step that queues the request.
 
     `retry_after_s` on a refusal is the time the worker's predicted backlog needs to fall back
     within the budget, at least the configured floor: a client that honours it comes back when
@@ -119,12 +133,31 @@ def decide(
     if cfg.mode != "off" and not explicit and budget_ms > 0 and own > budget_ms * (1.0 + cfg.slack):
         wait = pred - own
         if wait <= 0.0:
-            return Verdict(True, pred, budget_ms)
+            return Verdict(True, pred, budget_ms, require_idle=True)
         return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait / 1000.0))
     if cfg.mode == "off" or (pred <= budget_ms * (1.0 + cfg.slack) and budget_ms > 0):
         return Verdict(True, pred, budget_ms)
     excess_s = max(0.0, pred - max(budget_ms, 0.0)) / 1000.0
     return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, excess_s))
+
+
+def idle_on_live(
+    cfg: AdmissionConfig, verdict: Verdict, queued_ms: float, owed_ms: float, time_scale: float = 1.0
+) -> Verdict:
+    """The second half of a `require_idle` admission, on the worker's live load (modelled queued
+    ms and owed ms, without this request) as the hand-off reads it: `verdict` stands while the
+    worker is idle (≤ `IDLE_EPS_MS`), else the request is refused with Retry-After the time that
+    live backlog needs to drain (at least the configured floor). The live hand-off script applies
+    the same threshold atomically with adding the request's own queued ms, so two origins that
+    both judged the worker idle on a snapshot can no longer both admit a long prompt onto it."""
+    if not verdict.require_idle:
+        return verdict
+    backlog = max(0.0, queued_ms) + max(0.0, owed_ms)
+    if backlog <= IDLE_EPS_MS:
+        return verdict
+    wait_s = backlog * time_scale / 1000.0
+    pred = verdict.predicted_ms + backlog * time_scale
+    return Verdict(False, pred, verdict.budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait_s))
 
 
 def expected_batch_wait_ms(view: WorkerView, wait_ms: float, batching: bool) -> float:

@@ -56,7 +56,7 @@ from typing import Any
 from app.cache.mirror import CacheMirror
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import EngineStatus
-from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms
+from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms, idle_on_live
 from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
@@ -296,6 +296,16 @@ class ClusterSim(DecodeSide):
             batch_wait_ms=expected_batch_wait_ms(view, self.bcfg.wait_ms, self._window_batching),
             explicit=False,  # trace rows carry no deadline of their own: the cluster SLO
         )
+        if verdict.require_idle:
+            # A prompt longer than the SLO, admitted on the snapshot when its worker looked idle:
+            # the hand-off script checks that on the live state (here the exact one) in the same
+            # step that queues it, and refuses, writing nothing, when the worker is busy.
+            queued, owed = self._fresh_loads(choice.worker_id)
+            verdict = idle_on_live(self.cfg.admission, verdict, queued, owed)
+            if not verdict.admit:
+                rep.overlay[w] = (queued, self.now)  # what the refusing script's answer says
+                rep.note_fresh_owed(w, owed, self.now)
+                rep.pviews[w] = rep.pview(w, self.now)
         if not verdict.admit:
             self.rejections[verdict.reason] += 1
             self._fail(i, "slo_unattainable")

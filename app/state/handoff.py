@@ -17,6 +17,8 @@ from app.state.store import StateStore
 from app.state.text import to_str
 
 GROUP = "owner"
+#: The hand-off scripts' entry id when a `require_idle` hand-off found the worker busy.
+NOT_IDLE = "-2"
 REPLY_MAXLEN = 10_000
 
 
@@ -59,22 +61,25 @@ class Handoff:
         max_len: int,
         time_scale: float = 1.0,
         keys: bytes = b"",
+        idle_eps: float | None = None,
     ) -> tuple[str | None, float, float]:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
         worker's queued predicted ms after this call, its ledger's owed ms now). `meta` travels
         as one JSON field, the token ids as one binary field, and `keys` (`pack_keys`, when
-        given) as a third."""
+        given) as a third. With `idle_eps` only onto an idle worker: `NOT_IDLE` and the live
+        (queued, owed) ms, nothing written, when its backlog exceeds it (scripts.HANDOFF)."""
+        argv: list[Any] = [
+            max_len,
+            f"{predicted_ms:.6f}",
+            json.dumps(meta, separators=(",", ":")),
+            ids,
+            f"{time_scale:g}",
+            keys,
+        ]
+        if idle_eps is not None:
+            argv += ["", "", "", f"{idle_eps:g}"]
         res = await self.store.run_script(
-            "handoff",
-            [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)],
-            [
-                max_len,
-                f"{predicted_ms:.6f}",
-                json.dumps(meta, separators=(",", ":")),
-                ids,
-                f"{time_scale:g}",
-                keys,
-            ],
+            "handoff", [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)], argv
         )
         entry = to_str(res[0])
         return (None if entry == "-1" else entry), float(to_str(res[1])), float(to_str(res[2]))
