@@ -31,21 +31,34 @@ def engine_records(address: str) -> dict[str, dict]:
     return {r["request_id"]: r for r in finished_records(address)}
 
 
-def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast(
-    worker_pool, shared_embedded_redis, cluster, tmp_path
-) -> None:
-    p = worker_pool["prefill"][0]
-    d = worker_pool["decode"][0]
+def configure_pool(prefill: list[str], decode: str, formula: str, time_scale: float, reset: bool) -> None:
+    """Reset the shared pool's workers this test uses; unless `reset`, give the prefill ones a
+    fixed batch cost (`formula` modelled ms) at `time_scale`."""
 
-    async def conf(reset: bool) -> None:
-        for addr, kw in ((p.address, {"formula": "500", "time_scale": 1.0}), (d.address, {})):
+    async def run() -> None:
+        for addr, kw in [
+            *((a, {"formula": formula, "time_scale": time_scale}) for a in prefill),
+            (decode, {}),
+        ]:
             c = WorkerClient(addr)
             await c.reset()
             if not reset and kw:
                 await c.configure(**kw)
             await c.close()
 
-    asyncio.run(conf(reset=False))
+    asyncio.run(run())
+
+
+def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    p = worker_pool["prefill"][0]
+    d = worker_pool["decode"][0]
+
+    def conf(reset: bool) -> None:
+        configure_pool([p.address], d.address, "500", 1.0, reset)
+
+    conf(reset=False)
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
     try:
         wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
@@ -160,7 +173,7 @@ def test_burst_past_capacity_admits_what_meets_the_slo_and_rejects_the_rest_fast
         assert float(line.rsplit(" ", 1)[1]) == 1
     finally:
         gw.stop()
-        asyncio.run(conf(reset=True))
+        conf(reset=True)
 
 
 def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
@@ -175,15 +188,10 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
     p = worker_pool["prefill"][0]
     d = worker_pool["decode"][0]
 
-    async def conf(reset: bool) -> None:
-        for addr, kw in ((p.address, {"formula": "5000", "time_scale": 0.1}), (d.address, {})):
-            c = WorkerClient(addr)
-            await c.reset()
-            if not reset and kw:
-                await c.configure(**kw)
-            await c.close()
+    def conf(reset: bool) -> None:
+        configure_pool([p.address], d.address, "5000", 0.1, reset)
 
-    asyncio.run(conf(reset=False))
+    conf(reset=False)
     gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"prefill@{p.address},decode@{d.address}")
     try:
         wait_for(lambda: gw.readyz()["ready"], 60, what="ready")
@@ -212,7 +220,7 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
         assert exc.value.response.headers.get("retry-after"), exc.value.response.headers
     finally:
         gw.stop()
-        asyncio.run(conf(reset=True))
+        conf(reset=True)
 
 
 @pytest.mark.parametrize("n_prefill", [1, 2])
@@ -233,18 +241,10 @@ def test_two_replicas_never_both_admit_over_slo_prompts_onto_one_idle_worker(
     d = worker_pool["decode"][0]
     assert len(ps) == n_prefill
 
-    async def conf(reset: bool) -> None:
-        for addr, kw in [
-            *((p.address, {"formula": "20000", "time_scale": 0.1}) for p in ps),
-            (d.address, {}),
-        ]:
-            c = WorkerClient(addr)
-            await c.reset()
-            if not reset and kw:
-                await c.configure(**kw)
-            await c.close()
+    def conf(reset: bool) -> None:
+        configure_pool([p.address for p in ps], d.address, "20000", 0.1, reset)
 
-    asyncio.run(conf(reset=False))
+    conf(reset=False)
     spec = ",".join([*(f"prefill@{p.address}" for p in ps), f"decode@{d.address}"])
     env = {"FLEXLB_POLL_INTERVAL_MS": "30000", "FLEXLB_FRESH_PICK": "1"}
     a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
@@ -293,4 +293,4 @@ def test_two_replicas_never_both_admit_over_slo_prompts_onto_one_idle_worker(
     finally:
         a.stop()
         b.stop()
-        asyncio.run(conf(reset=True))
+        conf(reset=True)
