@@ -240,12 +240,12 @@ for _path in ("record", "missed", "ttl"):
 
 ADMISSION_REJECTIONS = Counter(
     "flexlb_admission_rejections_total",
-    "Requests refused or ended for their TTFT deadline, by reason (slo_unattainable at the origin, "
-    "deadline_passed_in_queue at the owner)",
+    "Requests refused or ended for their TTFT deadline, by reason (slo_unattainable and "
+    "deadline_too_short at the origin, deadline_passed_in_queue at the owner)",
     ["reason"],
     registry=REGISTRY,
 )
-for _reason in ("slo_unattainable", "deadline_passed_in_queue"):
+for _reason in ("slo_unattainable", "deadline_passed_in_queue", "deadline_too_short"):
     ADMISSION_REJECTIONS.labels(_reason)
 
 LEDGER_ANCHOR_FAILED = Counter(

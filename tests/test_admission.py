@@ -58,6 +58,12 @@ def test_a_prompt_whose_own_prefill_exceeds_the_cluster_slo_runs_on_an_idle_work
     assert not decide(cfg, view(), 7800, 0, explicit=False).admit  # already late
     # a prompt that fits the SLO by itself is judged as before, backlog and own prefill together
     assert decide(cfg, view(1000, 500), 1000, 3000, explicit=False).admit
+    # a client's own deadline shorter than the prompt's prefill alone: no retry can meet it
+    short = decide(cfg, view(), 7800, 3000, explicit=True)
+    assert not short.admit and short.reason == "deadline_too_short" and short.retry_after_s == 0
+    # one its prefill fits, missed only for the backlog ahead: retry later, as before
+    later = decide(cfg, view(4000, 0), 1000, 3000, explicit=True)
+    assert not later.admit and later.reason == "slo_unattainable" and later.retry_after_s > 0
     assert not decide(cfg, view(1000, 600), 1000, 3000, explicit=False).admit
     # the client's own deadline: unattainable is unattainable; admission off admits all
     assert not decide(cfg, view(), 7800, 3000, explicit=True).admit

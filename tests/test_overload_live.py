@@ -184,7 +184,8 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
     an idle cluster, and so on every retry: such prompts were never served. Here the worker takes
     5000 modelled ms per batch at time scale 0.1 (500 wall ms against a 300 wall ms cluster SLO);
     the gateway predicts the same. Held to the cluster SLO it is served on the idle worker; a
-    client's own deadline that it cannot meet is still refused, typed."""
+    client's own deadline shorter than that prefill is refused 400 `deadline_too_short`, not
+    retryable (a 429 invited the SDK's retries into the same refusal)."""
     p = worker_pool["prefill"][0]
     d = worker_pool["decode"][0]
 
@@ -209,15 +210,15 @@ def test_a_prompt_longer_than_the_cluster_slo_is_served_not_refused_forever(
         r = c.completions.create(model="flexlb-sim", prompt="a long prompt " + "x" * 200, max_tokens=1)
         assert r.choices[0].finish_reason == "length" and r.usage is not None
         assert r.usage.completion_tokens == 1
-        with pytest.raises(openai.RateLimitError) as exc:
+        with pytest.raises(openai.BadRequestError) as exc:
             c.completions.create(
                 model="flexlb-sim",
                 prompt="a deadline it cannot meet " + "x" * 200,
                 max_tokens=1,
                 extra_headers={"x-flexlb-slo-ms": "300"},
             )
-        assert exc.value.body["code"] == "slo_unattainable", exc.value.body  # type: ignore[index]
-        assert exc.value.response.headers.get("retry-after"), exc.value.response.headers
+        body = exc.value.body
+        assert body["code"] == "deadline_too_short" and body["retryable"] is False, body  # type: ignore[index]
     finally:
         gw.stop()
         conf(reset=True)

@@ -189,7 +189,8 @@ SCHEMAS: dict[str, Any] = {
 
 #: What each status means here, and the error codes behind it (README's error table says more).
 STATUS_TEXT = {
-    400: "invalid request: the message names the field and the rule (code invalid_request)",
+    400: "invalid request: the message names the field and the rule (code invalid_request); a deadline "
+    "shorter than the prompt's own prefill on an idle worker (deadline_too_short)",
     401: "missing or wrong admin token, or (FLEXLB_AUTH=keys) API key (unauthorized)",
     403: "the API key's tenant is disabled (forbidden)",
     404: "unknown model, request, worker or path (model_not_found, not_found)",

@@ -38,6 +38,7 @@ KINDS: dict[str, ErrorKind] = {
     "rate_limited": ErrorKind(429, "rate_limit_error", True),
     "overloaded": ErrorKind(429, "rate_limit_error", True),
     "slo_unattainable": ErrorKind(429, "rate_limit_error", True),
+    "deadline_too_short": ErrorKind(400, "invalid_request_error", False),
     "no_worker": ErrorKind(503, "service_unavailable", True),
     "state_unavailable": ErrorKind(503, "service_unavailable", True),
     "draining": ErrorKind(503, "service_unavailable", True),

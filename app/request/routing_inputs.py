@@ -324,6 +324,13 @@ class RoutingInputs(RequestContext):
         )
         if not v.admit:
             M.ADMISSION_REJECTIONS.labels(v.reason).inc()
+            if v.reason == "deadline_too_short":
+                raise ApiError(
+                    "deadline_too_short",
+                    f"the request's deadline ({budget:.0f} ms left) is shorter than its own predicted "
+                    f"prefill ({own * scale:.0f} ms) even on an idle worker; raise deadline_ms / "
+                    "x-flexlb-slo-ms or shorten the prompt",
+                )
             raise ApiError(
                 "slo_unattainable",
                 f"predicted time to first token {v.predicted_ms:.0f} ms on the best worker exceeds "

@@ -47,7 +47,7 @@ __all__ = [
 ADMISSION_MODES = ("slo", "off")
 DROP_LATE = ("explicit", "always")
 #: Every reason a request may be refused or ended for its deadline (pre-registered metric labels).
-REJECT_REASONS = ("slo_unattainable", "deadline_passed_in_queue")
+REJECT_REASONS = ("slo_unattainable", "deadline_passed_in_queue", "deadline_too_short")
 #: Live queued + owed ms (modelled) at or below which a worker counts as idle for a prompt
 #: admitted on `Verdict.require_idle`: the queued counter is kept as 6-decimal text, so sums of
 #: 3-decimal predictions may leave a residue of a few micro-ms on an empty queue.
@@ -121,7 +121,8 @@ def decide(
     one does, with Retry-After the time that backlog needs to drain. Admitting it behind a
     backlog as well (up to the budget) cost the short requests queued behind it: in the
     simulator (conversation trace, 8P+8D, load 1.0) TTFT p50 230 → 527 ms. A client's own
-    deadline is held as it is. "Nothing waits ahead" judged on `view` alone is a snapshot's
+    deadline is held as it is: shorter than its own prefill, it is refused `deadline_too_short`
+    (no retry can meet it). "Nothing waits ahead" judged on `view` alone is a snapshot's
     word: with several replicas it is stale, so such an admission says `require_idle` and the
     hand-off confirms it on the live state (`idle_on_live`) in the step that queues the request.
 
@@ -135,6 +136,11 @@ def decide(
         if wait <= 0.0:
             return Verdict(True, pred, budget_ms, require_idle=True)
         return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait / 1000.0))
+    if cfg.mode != "off" and explicit and budget_ms > 0 and own > budget_ms * (1.0 + cfg.slack):
+        # The client's own deadline is shorter than this prompt's prefill alone on an idle worker:
+        # no retry meets it, so it is a bad request, not a 429 that invites the client's retries
+        # (the openai SDK makes two by default) into the same refusal.
+        return Verdict(False, pred, budget_ms, "deadline_too_short")
     if cfg.mode == "off" or (pred <= budget_ms * (1.0 + cfg.slack) and budget_ms > 0):
         return Verdict(True, pred, budget_ms)
     excess_s = max(0.0, pred - max(budget_ms, 0.0)) / 1000.0

@@ -308,7 +308,7 @@ class ClusterSim(DecodeSide):
                 rep.pviews[w] = rep.pview(w, self.now)
         if not verdict.admit:
             self.rejections[verdict.reason] += 1
-            self._fail(i, "slo_unattainable")
+            self._fail(i, verdict.reason)
             return
         st.prefill = w
         st.predicted_ms = choice.predicted_ms
