@@ -233,6 +233,13 @@ def worker_call(address: str, op: str, **kw: object) -> dict:
     return asyncio.run(call())
 
 
+def running_on(address: str, rid: str) -> bool:
+    """Whether request `rid` is in a batch the engine at `address` is running now (its status)."""
+    return any(
+        rid in b["request_ids"] and b["phase"] == "running" for b in worker_call(address, "status")["live"]
+    )
+
+
 def record_mark(address: str) -> int:
     """A prefill worker's newest finished-record number: `finished_records(address, mark)` then
     returns only what finished after it. A pool worker keeps every earlier test's records (reset

@@ -29,7 +29,7 @@ from app.dispatch.owner import OwnerDispatcher
 from app.state.handoff import GROUP, pack_tokens
 from app.state.keys import Keys
 
-from .conftest import finished_records, handoff_rig, record_mark, start_worker, worker_call
+from .conftest import finished_records, handoff_rig, record_mark, running_on, start_worker, worker_call
 from .gateways import Gateway, ids_owning, lease_owner, log_messages, metric_value, start_gateway, wait_for
 
 TTL_S = 3.0  # the default owner lease TTL (FLEXLB_LEASE_TTL_MS=3000)
@@ -70,10 +70,7 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
         answer["wall_s"] = answer["t"] - t0
 
     def running_on_worker() -> bool:
-        return any(
-            rid in x["request_ids"] and x["phase"] == "running"
-            for x in worker_call(own.address, "status")["live"]
-        )
+        return running_on(own.address, rid)
 
     try:
         wait_for(lambda: a.readyz()["workers"].get(wid) == "up", 30, what="worker up on A")

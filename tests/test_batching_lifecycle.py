@@ -19,7 +19,7 @@ from app.rpc.worker_client import WorkerClient
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 
-from .gateways import ADMIN_TOKEN, Gateway, start_gateway, wait_for
+from .gateways import ADMIN_TOKEN, Gateway, metric_value, start_gateway, wait_for
 from .test_batching_live import one_prefill_cluster  # noqa: F401  (shared fixture)
 
 H = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -33,17 +33,6 @@ HOLD_CAP = 2_000
 HOLD_PROMPT = "h" * 60  # byte tokenizer: 60 prompt tokens
 HOLD_NEW = 1_900
 HOLD_TIME_SCALE = 4.0
-
-
-def _metric(gw: Gateway, name: str, **labels: str) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    total = 0.0
-    for line in gw.get("/metrics").text.splitlines():
-        if line.startswith(name + ("{" if labels else " ")) or line.startswith(name + "{"):
-            if want and not all(f'{k}="{v}"' in line for k, v in labels.items()):
-                continue
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def _configure(gw: Gateway, **cfg: Any) -> None:
@@ -128,14 +117,15 @@ def test_thousand_requests_leave_nothing_owed_or_reserved_and_inflight_is_capped
     wait_for(empty, 30.0, interval=0.002, what="ledgers and reservations empty")
     settled_after_ms = (time.monotonic() - t_last) * 1000
     peak = asyncio.run(_worker(paddr))["max_live_batches"]
-    slow = sum(_metric(gw, "flexlb_worker_polls_slow_total") for gw in (a, b))  # late answers, for the log
+    # owner polls answered late, for the log
+    slow = sum(metric_value(gw, "flexlb_worker_polls_slow_total") for gw in (a, b))
     print(f"ledgers+reservations empty {settled_after_ms:.1f} ms after the last reply; in flight max {peak}")
     print(f"owner polls answered past their deadline during the run: {slow:.0f}")
     assert peak <= 2, peak  # the cap held
     assert peak == 2  # and was actually reached
     for gw in (a, b):
         for path in ("ttl", "missed", "record"):
-            assert _metric(gw, "flexlb_ledger_late_settled_total", path=path) == 0, (gw.replica_id, path)
+            assert metric_value(gw, "flexlb_ledger_late_settled_total", path=path) == 0, (gw.replica_id, path)
     sizes = [x.json()["batch_size"] for x in resps]
     assert max(sizes) > 1  # the load did batch
 
@@ -345,12 +335,12 @@ def test_batch_that_fails_before_the_worker_accepts_it_is_retried_once_elsewhere
             assert first.status_code == 200, first.text
             if first.json()["prefill_worker"] != doomed_id:
                 break
-        before = _metric(a, "flexlb_prefill_retries_total")
+        before = metric_value(a, "flexlb_prefill_retries_total")
         doomed.kill_hard()
         resp = send("after-kill")
         assert resp.status_code == 200, resp.text
         assert resp.json()["prefill_worker"] == f"prefill@{p.address}"
-        assert _metric(a, "flexlb_prefill_retries_total") == before + 1
+        assert metric_value(a, "flexlb_prefill_retries_total") == before + 1
     finally:
         a.stop()
         doomed.stop()
@@ -429,17 +419,17 @@ def test_a_refused_decode_reservation_is_placed_on_another_decode_worker(
         spacer = send()  # round_robin's turn of the other worker, so the next turn is the full one's
         assert spacer.status_code == 200 and spacer.json()["decode_worker"] == xid, spacer.text
 
-        before = _metric(a, "flexlb_decode_reserve_retries_total")
+        before = metric_value(a, "flexlb_decode_reserve_retries_total")
         second = send()
         assert second.status_code == 200, second.text
         assert second.json()["decode_worker"] == xid  # placed on the other worker
         assert not r.hexists(keys.reservations(did), second.json()["request_id"])  # refused: nothing held
-        assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 1
+        assert metric_value(a, "flexlb_decode_reserve_retries_total") == before + 1
         assert not r.hexists(keys.reservations(xid), second.json()["request_id"])  # released at the end
         # the same with a client request id (recorded first, then handed off: the other code path)
         third = send({"request_id": f"rr-{cluster}"})
         assert third.status_code == 200 and third.json()["decode_worker"] == xid, third.text
-        assert _metric(a, "flexlb_decode_reserve_retries_total") == before + 2
+        assert metric_value(a, "flexlb_decode_reserve_retries_total") == before + 2
         # The refusals were the long request's doing: still held and decoding, and the router's
         # snapshot never counted it (a poll in between would have skipped the worker, no retry).
         assert r.hget(keys.reservations(did), hold_id) is not None, "the long request ended early"

@@ -13,7 +13,7 @@ import pytest
 
 from app.rpc.worker_client import WorkerClient
 
-from .conftest import finished_records, record_mark, worker_call
+from .conftest import finished_records, record_mark, running_on, worker_call
 from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
 
@@ -97,8 +97,7 @@ def test_idle_then_full_batches_shared_by_both_replicas(one_prefill_cluster) -> 
     blocker_id = f"blk-{a.replica_id}"
 
     def blocker_running() -> bool:
-        live = worker_call(paddr, "status")["live"]
-        return any(x["phase"] == "running" and blocker_id in x["request_ids"] for x in live)
+        return running_on(paddr, blocker_id)
 
     def full_flushed() -> bool:
         return flushes(owner).get("full", 0) > base.get("full", 0)

@@ -27,7 +27,7 @@ import redis
 from app.state.handoff import GROUP
 from app.state.keys import Keys
 
-from .conftest import finished_records, start_worker, worker_call
+from .conftest import finished_records, running_on, start_worker, worker_call
 from .gateways import Gateway, ids_owning, lease_owner, log_messages, start_gateway, wait_for
 
 TTL_S = 3.0  # the default owner lease TTL (FLEXLB_LEASE_TTL_MS=3000)
@@ -80,14 +80,7 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         th.start()
         entry = wait_for(held_batch, 30, what="the request's batch in the ledger")
         assert entry["epoch"] == own.epoch, entry
-        wait_for(
-            lambda: any(
-                rid in x["request_ids"] and x["phase"] == "running"
-                for x in worker_call(own.address, "status")["live"]
-            ),
-            30,
-            what="the batch running on the worker",
-        )
+        wait_for(lambda: running_on(own.address, rid), 30, what="the batch running on the worker")
         # The owner dies by SIGKILL: no stream end, no drain, nobody settles the batch.
         a.kill()
         wait_for(lambda: lease_owner(b, wid) == id_b, 2 * TTL_S + 2, what="B takes over the lease")

@@ -27,8 +27,8 @@ from app.rpc.worker_client import WorkerClient
 from app.state.embedded_redis import find_redis_server
 from app.state.keys import Keys
 
-from .conftest import start_worker, worker_call
-from .gateways import Gateway, free_port, specs, start_gateway, wait_for
+from .conftest import running_on, start_worker, worker_call
+from .gateways import Gateway, free_port, log_messages, specs, start_gateway, wait_for
 
 TTL_S = 3.0
 
@@ -182,20 +182,13 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
 
         entry = wait_for(held_batch, 30, what="the request's batch in the ledger")
         assert entry["epoch"] == own.epoch, entry
-        wait_for(
-            lambda: any(
-                rid in b["request_ids"] and b["phase"] == "running"
-                for b in worker_call(own.address, "status")["live"]
-            ),
-            30,
-            what="the batch running on the worker",
-        )
+        wait_for(lambda: running_on(own.address, rid), 30, what="the batch running on the worker")
         # kill
         old_epoch = own.epoch
         own.kill_hard()
         # a refused poll says it is not there: down at once, on the first one
         wait_for(lambda: gw.readyz()["workers"][wid] == "down", 30, what="down on kill")
-        assert _messages(gw).count(f"{down} 1 missed poll") == 1, gw.log()[-2000:]
+        assert log_messages(gw).count(f"{down} 1 missed poll") == 1, gw.log()[-2000:]
         # its only prefill worker is down: the replica says it is not ready, and why
         ready = gw.readyz()
         assert not ready["ready"] and "no live prefill worker" in ready["reasons"], ready
@@ -222,12 +215,6 @@ def test_worker_down_on_kill_and_hang_back_with_new_epoch(
         if th is not None and th.is_alive():  # its client call ends with the gateway
             th.join(30)
         own.stop()
-
-
-def _messages(gw: Gateway) -> list[str]:
-    """The replica's log messages (its log is JSON lines)."""
-    lines = gw.log().splitlines()
-    return [str(json.loads(ln).get("msg", "")) for ln in lines if ln.startswith("{")]
 
 
 async def _configure(addr: str, **kw) -> None:

@@ -3,10 +3,12 @@ server) crashed on the first version of the hand-off script (a long unpack()ed X
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import redis.asyncio as aioredis
 
-from app.state.handoff import GROUP, Handoff, pack_tokens, unpack_tokens
+from app.state.handoff import GROUP, NOT_IDLE, Handoff, pack_tokens, unpack_tokens
 from app.state.keys import Keys
 from app.state.store import StateStore
 
@@ -74,10 +76,6 @@ async def test_a_require_idle_handoff_queues_only_onto_an_idle_worker(redis_url:
     """`idle_eps` (a prompt longer than the cluster SLO, `Verdict.require_idle`): the script
     hands off only while the worker's live queued + owed ms are within it, and otherwise writes
     nothing and answers `NOT_IDLE` with that live backlog, queued and owed (the ledger's)."""
-    import time
-
-    from app.state.handoff import NOT_IDLE
-
     r = aioredis.from_url(redis_url)
     keys = Keys(cluster)
     st = StateStore(r, keys)

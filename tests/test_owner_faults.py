@@ -21,8 +21,8 @@ from app.dispatch.owner import OwnerDispatcher
 from app.state.handoff import GROUP, pack_tokens
 from app.state.keys import Keys
 
-from .conftest import finished_records, handoff_rig, record_mark, worker_call
-from .gateways import Gateway, start_gateway, wait_for
+from .conftest import finished_records, handoff_rig, record_mark, running_on, worker_call
+from .gateways import metric_value, start_gateway, wait_for
 
 # ---- the reconciler cancels a dead origin's engine work -----------------------------------------
 # The dead origin's prefill batch runs 600 modelled s (time scale 1) and its generation 8,000
@@ -66,11 +66,7 @@ def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
         return running
 
     def prefill_running(rid: str) -> bool:
-        return any(
-            rid in x["request_ids"] and x["phase"] == "running"
-            for p in prefills
-            for x in worker_call(p.address, "status")["live"]
-        )
+        return any(running_on(p.address, rid) for p in prefills)
 
     def state(rid: str) -> str:
         return (r.hget(keys.request(rid), "state") or b"").decode()
@@ -107,7 +103,7 @@ def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
         wait_for(lambda: rd not in decoding(), 60, what="B's generation ended on its engine")
         assert int(worker_call(d.address, "status")["running"]) == 0
         reconciled = {
-            k: _metric(a, "flexlb_reconciled_total", kind=k)
+            k: metric_value(a, "flexlb_reconciled_total", kind=k)
             for k in ("record_owner_lost", "engine_cancelled")
         }
         assert reconciled == {"record_owner_lost": 2, "engine_cancelled": 2}, reconciled
@@ -118,15 +114,6 @@ def test_dead_origins_running_prefill_and_decode_are_cancelled_on_the_engines(
             if th.is_alive():
                 th.join(30)
         r.close()
-
-
-def _metric(gw: Gateway, name: str, **labels: str) -> float:
-    """The sum of a metric's series that carry ``labels``, from the replica's /metrics."""
-    total = 0.0
-    for line in gw.get("/metrics").text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 # ---- case 5b's cause: a claim that fails part-way ------------------------------------------------
