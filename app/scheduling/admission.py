@@ -131,16 +131,16 @@ def decide(
     the request could be admitted, not into the same overload."""
     pred = predicted_ttft_ms(view, prefill_ms, batch_wait_ms, time_scale)
     own = prefill_ms * time_scale
-    if cfg.mode != "off" and not explicit and budget_ms > 0 and own > budget_ms * (1.0 + cfg.slack):
+    if cfg.mode != "off" and budget_ms > 0 and own > budget_ms * (1.0 + cfg.slack):
+        if explicit:
+            # The client's own deadline is shorter than this prompt's prefill alone on an idle
+            # worker: no retry meets it, so it is a bad request, not a 429 that invites the
+            # client's retries (the openai SDK makes two by default) into the same refusal.
+            return Verdict(False, pred, budget_ms, "deadline_too_short")
         wait = pred - own
         if wait <= 0.0:
             return Verdict(True, pred, budget_ms, require_idle=True)
         return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait / 1000.0))
-    if cfg.mode != "off" and explicit and budget_ms > 0 and own > budget_ms * (1.0 + cfg.slack):
-        # The client's own deadline is shorter than this prompt's prefill alone on an idle worker:
-        # no retry meets it, so it is a bad request, not a 429 that invites the client's retries
-        # (the openai SDK makes two by default) into the same refusal.
-        return Verdict(False, pred, budget_ms, "deadline_too_short")
     if cfg.mode == "off" or (pred <= budget_ms * (1.0 + cfg.slack) and budget_ms > 0):
         return Verdict(True, pred, budget_ms)
     excess_s = max(0.0, pred - max(budget_ms, 0.0)) / 1000.0
