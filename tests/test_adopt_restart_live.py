@@ -122,7 +122,8 @@ def test_adopted_request_runs_again_once_when_its_worker_restarts(
         assert (r.hget(keys.request(rid), "state") or b"").decode() == "completed"
         assert metric_value(b, "flexlb_owner_claimed_total", outcome="rerun") == 1
         assert metric_value(b, "flexlb_owner_claimed_total", outcome="redispatched") == 0
-        assert any(f"under adopted request {rid}: running it again" in m for m in log_messages(b))
+        rerun_line = f"under adopted request {rid}: running it again"
+        wait_for(lambda: any(rerun_line in m for m in log_messages(b)), 5, what="the re-run's log line")
         # Nothing left owed: the old-epoch batch settled, the re-run's settled on its reply.
         wait_for(lambda: not r.hlen(keys.ledger(wid)), 10, what="an empty ledger")
     finally:

@@ -124,7 +124,9 @@ def test_new_owner_sweeps_a_dead_owners_batch_when_the_worker_restarts(
         )
         metrics = b.get("/metrics").text
         assert f'flexlb_worker_epoch_changes_total{{worker="{wid}"}} 1.0' in metrics
-        assert f"worker {wid} restarted (old epoch {old_epoch}): settled 1 batches" in log_messages(b)
+        # the log is written by a background writer (batches every 50 ms): poll for the line
+        swept = f"worker {wid} restarted (old epoch {old_epoch}): settled 1 batches"
+        wait_for(lambda: swept in log_messages(b), 5, what="the sweep's log line")
         # The sweep, not the claim or the audit, settled it.
         assert 'flexlb_owner_claimed_total{outcome="redispatched"} 0.0' in metrics
         # Ended, it is not run again on the new epoch (app/dispatch/adopt.py): its claimed entry
