@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app import metrics as M
 from app.gateway.errors import ApiError
 from app.request.context import LocalOwner, RequestContext
 from app.request.routing_inputs import FreshPair
@@ -236,7 +235,6 @@ class HandoffRoundTrip(RequestContext):
             self.owed_overlay[c.worker_id] = (owed, now)
         if picked.index == 0:
             return wid, predicted, args.pair.first.hit_tokens
-        M.FRESH_PICK_MOVED.inc()
         p.prefill_worker = choice.worker_id
         return choice.worker_id, args.predicted, choice.hit_tokens
 

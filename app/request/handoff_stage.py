@@ -99,6 +99,7 @@ class HandoffStage(RequestContext):
         held = -1
         idle_eps = IDLE_EPS_MS if admitted is not None and admitted.require_idle else None
         fresh = p.stage == "new"
+        moved = False  # the fresh pick sent the request to the policy's runner-up
         if fresh:  # a fresh id: record, reserve and hand off in one round trip
             args = None
             if pair is not None and pair.first.worker_id == wid:
@@ -122,6 +123,7 @@ class HandoffStage(RequestContext):
                     )
                 raise
             if picked is not None and args is not None:
+                moved = picked.index != 0
                 wid, predicted, hit_tokens = self._take_pick(p, wid, base, predicted, args, picked)
         else:
             entry, queued, owed = await self.handoff.append(
@@ -143,6 +145,8 @@ class HandoffStage(RequestContext):
                 self._log("queued", req, p)
             raise ApiError("overloaded", f"prefill queue of {wid} is full", retry_after_s=1)
         p.stage = "handed_off"
+        if moved:  # counted once queued: a runner-up that refused (full, not idle) moved nothing
+            M.FRESH_PICK_MOVED.inc()
         if held == 0:
             if fresh:
                 self._log("queued", req, p)
