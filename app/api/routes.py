@@ -247,8 +247,9 @@ async def _openai_stream(
 ) -> AsyncIterator[bytes]:
     """The SSE body both OpenAI endpoints share; they differ only in how a piece of text sits in
     a choice (`piece(text, where)`, where is first | more | last): `text` for completions, a
-    `delta` for chat. A request id retried after it finished replays its stored outcome. Text
-    that may begin a stop string is held back until it is known not to (`StopText`)."""
+    `delta` for chat. A request id retried after it finished replays its stored outcome (unless
+    that outcome invited the retry: app/state/lifecycle.py). Text that may begin a stop string
+    is held back until it is known not to (`StopText`)."""
     detok = IncrementalDetokenizer(r.tokenizer)
     stop = StopText(stops)
 
