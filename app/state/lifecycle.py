@@ -101,13 +101,17 @@ return 1
 # KEYS[1] the head (attempt 1's record), KEYS[2] the current attempt's record (= KEYS[1] for
 # attempt 1), KEYS[3] the new attempt's record; ARGV: current attempt n, the terminal state the
 # caller read on KEYS[2] (and judged retryable), origin, k1, v1, ... → 1 created, 0 refused.
-# Refused, changing nothing, when another retry already moved the head on, when KEYS[2] is no
-# longer in that state (`owner_lost` → `completed`: the stalled origin answered after all), or
-# when the new record exists. A terminal outcome never changes otherwise, so the caller's
-# judgement still holds when the script applies. Idempotent: a repeat finds the head moved on.
+# Refused, changing nothing, for a state that is not an ended failure (a running or completed
+# attempt never re-opens, whatever the caller says), when another retry already moved the head
+# on, when KEYS[2] is no longer in that state (`owner_lost` → `completed`: the stalled origin
+# answered after all), or when the new record exists. A terminal outcome never changes
+# otherwise, so the caller's judgement still holds when the script applies. Idempotent: a repeat
+# finds the head moved on.
 RETRY_REQUEST = (
     NOW_MS
     + """
+local ended = {failed = 1, cancelled = 1, timed_out = 1, owner_lost = 1}
+if not ended[ARGV[2]] then return 0 end
 local n = tonumber(redis.call('HGET', KEYS[1], 'attempt') or '1')
 if n ~= tonumber(ARGV[1]) then return 0 end
 if redis.call('HGET', KEYS[2], 'state') ~= ARGV[2] then return 0 end
