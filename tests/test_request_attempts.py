@@ -58,6 +58,7 @@ def test_what_invites_a_retry() -> None:
     assert invites_retry({"state": "failed", "outcome": err(True)})
     assert invites_retry({"state": "timed_out", "outcome": err(True)})
     assert invites_retry({"state": "owner_lost", "outcome": err(True)})
+    assert invites_retry({"state": "owner_lost", "outcome": {"error": "from before typed errors"}})
     assert invites_retry({"state": "cancelled", "outcome": err(False)})  # the client went away
     assert not invites_retry({"state": "failed", "outcome": err(False)})
     assert not invites_retry({"state": "completed", "outcome": {}})

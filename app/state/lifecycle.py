@@ -61,13 +61,14 @@ def attempt_of(rid: str) -> int:
 def invites_retry(rec: dict[str, Any]) -> bool:
     """Whether a retry of this ended record starts a new attempt instead of replaying it: the
     client went away (`cancelled`: a disconnect or a DELETE, which no client reads as a final
-    answer), or the stored error says `retryable` (the gateway told the client to try again, so
-    replaying it for an hour would be a lie). A completion or a non-retryable error replays."""
+    answer), it timed out or lost its origin (504, 503: retryable by kind), or its stored error
+    says `retryable` (the gateway told the client to try again, so replaying it for an hour would
+    be a lie). A completion or a non-retryable error (`failed`, 4xx) replays."""
     state = rec.get("state")
     if state not in TERMINAL or state == "completed":
         return False
-    if state == "cancelled":
-        return True
+    if state in ("cancelled", "timed_out", "owner_lost"):  # 499, 504, 503: whatever the error says
+        return True  # (records older than typed errors carry it as a plain string)
     outcome = rec.get("outcome")
     err = outcome.get("error") if isinstance(outcome, dict) else None
     return isinstance(err, dict) and err.get("retryable") is True
