@@ -147,6 +147,11 @@ def test_a_retryable_failure_retried_with_the_same_id_runs_again_and_completes(
         state = "timed_out"
     assert err["retryable"] is True
     ended(pair.a, rid, state)
+    if failure == "deadline_exceeded":
+        # The failed attempt's leftover is still there: its prefill is tombstoned under the
+        # client's id (60 s), so a new attempt under that same id would be dropped at commit.
+        tombs = [p for p in pair.wids("prefill") if pair.r.zscore(pair.keys.tombstones(p), rid) is not None]
+        assert tombs, "attempt 1 left no tombstone"
     reset(pair)  # the fault is gone: what a proxy's retry a moment later meets
     second = gen(pair.b, rid)  # the retry lands on the other replica, as a proxy's may
     assert second.status_code == 200, second.text
