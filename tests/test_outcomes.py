@@ -1,6 +1,7 @@
-"""Issue 14 Deliver 5 case 8: a retried id of a request that ended in any terminal state answers
-its stored outcome on every endpoint, streaming included (never 500); every 429/503 carries
-`Retry-After`, streaming included; decode KV that is full *now* is 429 `overloaded`, not 503."""
+"""Issue 14 Deliver 5 case 8: a retried id of a request that ended answers its stored outcome on
+every endpoint, streaming included (never 500) — or, after a retryable failure, runs once more;
+every 429/503 carries `Retry-After`, streaming included; decode KV that is full *now* is 429
+`overloaded`, not 503."""
 
 from __future__ import annotations
 
@@ -55,7 +56,25 @@ def _calls(url: str, rid: str) -> list[tuple[str, httpx.Response]]:
     return out
 
 
-def test_retrying_a_timed_out_id_answers_its_stored_outcome_on_every_endpoint(gw) -> None:  # type: ignore[no-untyped-def]
+def test_retrying_an_id_that_failed_for_good_answers_its_stored_outcome_on_every_endpoint(gw) -> None:  # type: ignore[no-untyped-def]
+    g, _ = gw
+    rid = f"bad-{uuid.uuid4().hex[:8]}"
+    # ~132 ms of predicted prefill (4,000 tokens, default formula) against the client's own
+    # 100 ms deadline: refused after the request was recorded, and not retryable.
+    first = g.post(
+        "/v1/generate",
+        json={"prompt": "x" * 4000, "max_new_tokens": 4, "request_id": rid, "deadline_ms": 100},
+    )
+    assert first.status_code == 400 and first.json()["error"]["code"] == "deadline_too_short", first.text
+    wait_for(lambda: g.get(f"/v1/requests/{rid}").json()["state"] == "failed", 5, what="stored")
+    for name, resp in _calls(g.url, rid):
+        assert resp.status_code == 400, (name, resp.status_code, resp.text)
+        assert resp.json()["error"]["code"] == "deadline_too_short", (name, resp.text)
+
+
+def test_retrying_a_timed_out_id_runs_once_more_then_answers_that_completion_on_every_endpoint(gw) -> None:  # type: ignore[no-untyped-def]
+    """A 504 is `retryable`: the first retry of its id is a new attempt (app/state/lifecycle.py);
+    every later one, on any endpoint, streaming included, answers that attempt's completion."""
     g, pool = gw
     for w in pool["prefill"]:
         assert worker_call(w.address, "configure", formula="1500")["ok"]
@@ -66,9 +85,12 @@ def test_retrying_a_timed_out_id_answers_its_stored_outcome_on_every_endpoint(gw
     )
     assert first.status_code == 504 and first.json()["error"]["code"] == "deadline_exceeded"
     wait_for(lambda: g.get(f"/v1/requests/{rid}").json()["state"] == "timed_out", 5, what="stored")
+    for w in pool["prefill"]:
+        worker_call(w.address, "reset")
     for name, resp in _calls(g.url, rid):
-        assert resp.status_code == 504, (name, resp.status_code, resp.text)
-        assert resp.json()["error"]["code"] == "deadline_exceeded", (name, resp.text)
+        assert resp.status_code == 200, (name, resp.status_code, resp.text)
+    rec = g.get(f"/v1/requests/{rid}").json()
+    assert rec["state"] == "completed" and rec["attempt"] == 2, rec
 
 
 def test_every_429_and_503_carries_retry_after_streaming_included(gw) -> None:  # type: ignore[no-untyped-def]

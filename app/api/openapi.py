@@ -262,7 +262,8 @@ HEADERS = [
         "in": "header",
         "required": False,
         "description": "client request id (the native body's request_id wins); a finished id returns "
-        "its stored outcome, a running one is 409",
+        "its stored outcome, unless it failed retryable or was cancelled: then it runs again; a "
+        "running one is 409",
         "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:\\-]{1,128}$"},
     },
     {

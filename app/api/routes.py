@@ -32,6 +32,7 @@ from app.gateway.errors import ApiError, check_token_ids
 from app.request.pipeline import TERMINAL, GenRequest
 from app.security.limits import REQUEST_ID, REQUEST_ID_RULE, ask_priority, trace_id_from, valid_request_id
 from app.security.tenants import path_id, public_id, scoped_id, tenant_of
+from app.state.lifecycle import current_attempt
 from app.tokens.chat import ChatTemplateError, render_chat
 from app.tokens.detok import IncrementalDetokenizer
 
@@ -246,8 +247,9 @@ async def _openai_stream(
 ) -> AsyncIterator[bytes]:
     """The SSE body both OpenAI endpoints share; they differ only in how a piece of text sits in
     a choice (`piece(text, where)`, where is first | more | last): `text` for completions, a
-    `delta` for chat. A request id retried after it finished replays its stored outcome. Text
-    that may begin a stop string is held back until it is known not to (`StopText`)."""
+    `delta` for chat. A request id retried after it finished replays its stored outcome (unless
+    that outcome invited the retry: app/state/lifecycle.py). Text that may begin a stop string
+    is held back until it is known not to (`StopText`)."""
     detok = IncrementalDetokenizer(r.tokenizer)
     stop = StopText(stops)
 
@@ -435,7 +437,8 @@ RequestIdPath = Annotated[str, PathParam(pattern=REQUEST_ID.pattern)]
 @router.get("/v1/requests/{request_id}")
 async def get_request(request_id: RequestIdPath, request: Request) -> dict[str, Any]:
     r = _replica(request)
-    rec = await r.store.get_request(path_id(request, request_id))  # another tenant's id: not found
+    # another tenant's id: not found; a retried id: its current attempt (app/state/lifecycle.py)
+    _, rec = await current_attempt(r.store, path_id(request, request_id))
     if rec is None:
         raise ApiError("not_found", f"unknown request {request_id!r}")
     outcome = rec.get("outcome")
@@ -445,7 +448,7 @@ async def get_request(request_id: RequestIdPath, request: Request) -> dict[str, 
 
 
 #: Record fields that hold numbers (Redis stores strings): by name, or by suffix.
-NUMERIC_FIELDS = frozenset({"priority", "batch_size", "fence", "attempts", "handoffs"})
+NUMERIC_FIELDS = frozenset({"priority", "batch_size", "fence", "attempts", "attempt", "handoffs"})
 NUMERIC_SUFFIXES = ("_ms", "_tokens", "_s")
 
 
@@ -475,7 +478,7 @@ async def cancel_request(request_id: RequestIdPath, request: Request) -> JSONRes
     `finished` (200, nothing to cancel), or an unknown id (404)."""
     r = _replica(request)
     client_id, request_id = request_id, path_id(request, request_id)
-    rec = await r.store.get_request(request_id)
+    request_id, rec = await current_attempt(r.store, request_id)  # a retried id: its current attempt
     if rec is None:
         raise ApiError("not_found", f"unknown request {client_id!r}")
     if rec.get("state") in TERMINAL:

@@ -43,7 +43,7 @@ KINDS: dict[str, ErrorKind] = {
     "state_unavailable": ErrorKind(503, "service_unavailable", True),
     "draining": ErrorKind(503, "service_unavailable", True),
     # The request's origin replica died (or stalled past its membership) before it finished;
-    # the master's reconciler ended it. Retrying the id returns this outcome.
+    # the master's reconciler ended it. Retrying the id starts a new attempt (retryable).
     "owner_lost": ErrorKind(503, "service_unavailable", True),
     "worker_error": ErrorKind(502, "server_error", True),
     "deadline_exceeded": ErrorKind(504, "timeout_error", True),

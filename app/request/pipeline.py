@@ -116,16 +116,28 @@ class Pipeline(RoutingInputs, RecordStage, HandoffRoundTrip, HandoffStage, Decod
                 await self._abort(req, p, "cancelled", ApiError("cancelled", "client disconnected"))
             raise
         except Exception as exc:
+            rid = req.request_id
             log.exception("request %s failed", rid, extra={"request_id": rid, "trace_id": req.trace_id})
             err = ApiError("internal", "internal error")
             await self._abort(req, p, "failed", err)
             raise err from exc
         finally:
+            rid = req.request_id  # the attempt's id, when a retry re-opened the client's (_record)
             if self.live.get(rid) is task:
                 del self.live[rid]
                 self.cancel_requested.discard(rid)
             if p.stage != "new":  # only the request that created the record waits for its reply
                 self.replies.forget(rid)
+
+    def _rekey(self, old: str, new: str) -> None:
+        """A retry re-opened the client's id as attempt `new` (app/state/lifecycle.py): the task
+        is live under that id from now on, so a cancel of the attempt (by id, from any replica)
+        and this origin's own sweep find it."""
+        task = asyncio.current_task()
+        if task is not None and self.live.get(old) is task:
+            del self.live[old]
+        if task is not None:
+            self.live.setdefault(new, task)
 
     async def _execute(self, req: GenRequest, p: Progress) -> AsyncIterator[tuple[str, Any]]:
         rid = req.request_id

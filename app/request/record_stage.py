@@ -14,6 +14,8 @@ from app.gateway.errors import ApiError
 from app.request.context import RequestContext
 from app.request.types import TERMINAL, GenRequest, Progress, StoredOutcome
 from app.scheduling.routing import NoWorker
+from app.security.tenants import public_id
+from app.state.lifecycle import attempt_id, invites_retry
 from app.state.store import request_fields
 
 
@@ -44,12 +46,11 @@ class RecordStage(RequestContext):
         if int(created) != 1:
             if held == 1:  # our own fresh hold for a refused duplicate (2 = the original's: keep it)
                 await self.store.release(dec, rid)
-            rec = await self.store.get_request(req.request_id)
-            if rec is None or rec.get("origin") != self.replica_id:
-                await self.redis.srem(self.keys.origin_requests(self.replica_id), req.request_id)
-            if rec is not None and rec.get("state") in TERMINAL:
-                raise StoredOutcome(rec.get("outcome") or {"state": rec.get("state")})
-            raise ApiError("duplicate_request", f"request {req.request_id!r} is still running")
+            head = await self.store.get_request(rid)
+            if head is None or head.get("origin") != self.replica_id or head.get("state") in TERMINAL:
+                # ours only while an attempt under this very id runs here; an ended one left the set
+                await self.redis.srem(self.keys.origin_requests(self.replica_id), rid)
+            held = await self._retry_or_refuse(req, p, head)
         p.stage = "recorded"
         self._log("queued", req, p)
         if dec:
@@ -57,6 +58,46 @@ class RecordStage(RequestContext):
                 raise ApiError("overloaded", f"decode worker {dec} has no KV left", retry_after_s=1)
             p.stage = "reserved"
             self.note_decode_hold(req, p)
+
+    async def _retry_or_refuse(self, req: GenRequest, p: Progress, head: dict[str, Any] | None) -> int:
+        """The client's id exists. Its current attempt ended in a way that invites a retry
+        (`invites_retry`: retryable error, timeout, cancel): open the next attempt under its own
+        id (app/state/lifecycle.py) in one round trip like the first — live set, record, decode
+        hold — and return the hold's answer. Ended otherwise: its stored outcome is the answer.
+        Still running (or another retry won the race): 409 `duplicate_request`."""
+        cid = req.request_id
+        n = int(head.get("attempt") or 1) if head is not None else 1
+        cur = head if n <= 1 else await self.store.get_request(attempt_id(cid, n))
+        if cur is None or cur.get("state") not in TERMINAL:
+            raise ApiError("duplicate_request", f"request {public_id(cid)!r} is still running")
+        if not invites_retry(cur):
+            raise StoredOutcome(cur.get("outcome") or {"state": cur.get("state")})
+        rid = attempt_id(cid, n + 1)
+        self._rekey(cid, rid)  # before the live-set entry exists: our own sweep must see it running
+        req.request_id = rid
+        dec = p.decode_worker
+        keys = [self.keys.request(cid), self.keys.request(attempt_id(cid, n)), self.keys.request(rid)]
+        args = [n, cur["state"], self.replica_id, *request_fields(self._record_fields(req, p))]
+        cmds: list[list[Any]] = [
+            ["SADD", self.keys.origin_requests(self.replica_id), rid],
+            ["EVALSHA", self.store.sha("retry_request"), 3, *keys, *args],
+        ]
+        if dec:
+            cap = int(float(self.fleet.snapshots.get(dec, {}).get("kv_total_tokens", 0) or 0))
+            need = len(req.input_ids) + self.out_est.reserve(req.max_new_tokens)
+            cmds.append(self.store.reserve_cmd(dec, rid, need, cap, *self.decode_hold_blocks(req, p)))
+        res = await self._round_trip(cmds)
+        held = int(res[2]) if dec else -1
+        if int(res[1]) != 1:  # another retry of the id won: that attempt runs
+            if held == 1:
+                await self.store.release(dec, rid)
+            await self.redis.srem(self.keys.origin_requests(self.replica_id), rid)
+            raise ApiError("duplicate_request", f"request {public_id(cid)!r} is still running")
+        return held
+
+    def _rekey(self, old: str, new: str) -> None:
+        """The request now runs under attempt id `new` (was `old`): move what this replica keys by
+        it (the pipeline's live task)."""
 
     def _record_fields(self, req: GenRequest, p: Progress) -> dict[str, Any]:
         """The record carries its holds from creation (issue 14): the decode worker and the

@@ -28,6 +28,7 @@ from app.gateway.errors import ApiError
 from app.security.apikeys import KeyRecord, KeyStore, Limits, limits_for, looks_like_key
 from app.security.limits import GENERATION_PATHS, REQUEST_ID_RULE, valid_request_id
 from app.security.ratelimit import Limiter, Verdict
+from app.state.lifecycle import client_id
 
 log = logging.getLogger("flexlb.security")
 
@@ -45,7 +46,9 @@ def scoped_id(tenant: str | None, rid: str) -> str:
 
 
 def public_id(rid: str) -> str:
-    """The id as its client knows it."""
+    """The id as its client knows it: without its tenant's namespace, and without the attempt
+    number a retry runs under (`<id>#<n>`, app/state/lifecycle.py)."""
+    rid = client_id(rid)
     return rid.split(NS, 1)[1] if NS in rid else rid
 
 

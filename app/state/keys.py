@@ -138,5 +138,9 @@ class Keys:
 
     # ---- per request -----------------------------------------------------------------------
     def request(self, request_id: str) -> str:
-        """HASH lifecycle: state, origin, prefill/decode worker, batch id, outcome JSON; TTL once terminal."""
-        return f"{self.prefix}:{{q:{request_id}}}:req"
+        """HASH lifecycle: state, origin, prefill/decode worker, batch id, outcome JSON; TTL once terminal.
+
+        Tagged by the client's id: attempt n ≥ 2 of a request (`<id>#<n>`, app/state/lifecycle.py)
+        sits in its head's slot as `…:req#<n>`, so re-opening it is one atomic script."""
+        head, sep, n = request_id.partition("#")
+        return f"{self.prefix}:{{q:{head}}}:req{sep}{n}"

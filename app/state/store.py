@@ -31,6 +31,7 @@ from redis.exceptions import ResponseError
 
 from app.state import scripts
 from app.state.keys import Keys
+from app.state.lifecycle import TERMINAL, client_id
 from app.state.resp import OnReplies, RespConnection
 from app.state.scripting import Execute, is_noscript, run_scripts
 from app.state.text import to_str as _s
@@ -38,12 +39,13 @@ from app.state.text import to_str as _s
 # ---- request lifecycle ------------------------------------------------------------------------
 #: Non-terminal states in order; a transition must move strictly forward (skipping is allowed).
 PROGRESS: tuple[str, ...] = ("queued", "dispatched", "prefilled", "decoding")
-#: Terminal states: exactly one of them is reached, once; nothing leaves it.
-TERMINAL: frozenset[str] = frozenset({"completed", "failed", "cancelled", "timed_out", "owner_lost"})
+#: Terminal states (`TERMINAL`, app/state/lifecycle.py): exactly one is reached, once.
 _TERMINAL_RANK = 100
 _RANK: dict[str, int] = {s: i for i, s in enumerate(PROGRESS)} | {s: _TERMINAL_RANK for s in TERMINAL}
 
-_REQUEST_RESERVED = frozenset({"state", "origin", "created_ms", "updated_ms", "outcome", "ended_ms"})
+_REQUEST_RESERVED = frozenset(
+    {"state", "origin", "created_ms", "updated_ms", "outcome", "ended_ms", "attempt"}
+)
 _SNAPSHOT_RESERVED = frozenset({"epoch", "seq", "_retired"})
 _TOTAL_FIELD = "_total"
 
@@ -440,8 +442,8 @@ class StateStore:
         and the record expires after `lifecycle_ttl_s`.
         """
         cmd = self.transition_cmd(request_id, to_state, fields, outcome=outcome)
-        key, args = cmd[3:4], cmd[4:]  # EVALSHA <sha> 1 <key> <args...>
-        return int(await self.run_script("transition", key, args)) == 1
+        n = int(cmd[2])  # EVALSHA <sha> <numkeys> <keys...> <args...>
+        return int(await self.run_script("transition", cmd[3 : 3 + n], cmd[3 + n :])) == 1
 
     def transition_cmd(
         self,
@@ -457,11 +459,14 @@ class StateStore:
             raise ValueError(f"unknown lifecycle state {to_state!r}")
         terminal = to_state in TERMINAL
         outcome_json = json.dumps({"state": to_state, **(outcome or {})}, separators=(",", ":"))
+        # A later attempt (app/state/lifecycle.py) names its head too: its end gives the head its TTL.
+        head = client_id(request_id)
+        keys = [self.keys.request(request_id)] + ([self.keys.request(head)] if head != request_id else [])
         return [
             "EVALSHA",
             self._scripts["transition"].sha,
-            1,
-            self.keys.request(request_id),
+            len(keys),
+            *keys,
             to_state,
             _RANK[to_state],
             "1" if terminal else "0",
