@@ -36,8 +36,13 @@ class Settings(BaseSettings):
     )
     grpc_mux: bool = Field(
         True,
-        description="control and prefill calls to a worker share one long-lived gRPC stream per model "
-        "(off: a stream per call); decode always has a stream per call",
+        description="control and prefill calls to a worker share long-lived gRPC streams per model "
+        "(off: a stream per call, for decode too)",
+    )
+    grpc_mux_decode: bool = Field(
+        True,
+        description="with grpc_mux: decode calls reuse long-lived gRPC streams, one decode at a time "
+        "on each (off: a stream per decode call)",
     )
     heartbeat_ms: int = Field(1000, description="membership heartbeat interval")
     member_ttl_ms: int = Field(3000, description="membership TTL: a replica silent this long is dead")

@@ -1,13 +1,15 @@
-"""Many calls on one long-lived, multiplexed `ModelStreamInfer` stream (issue #20).
+"""Calls on long-lived `ModelStreamInfer` streams (issue #20): multiplexed, or reused one at a time.
 
 A stream per call costs each call an HTTP/2 stream's set-up and tear-down on both sides: ~2 ms of
 latency and ~0.8 ms of the client's CPU (`bench/_wb_mux_probe.py`). Here a few long-lived
 streams per model carry every call, each request with an id of its own, and a stream's reader
 routes every response to its call by `infer_response.id`: one stream while calls come one after
-the other (an owner's polls), another only when each open one has `SHARE` calls in flight, `POOL`
-at most (see `StreamMux._stream`). Only short answers are multiplexed (`control`, `prefill`): decode
-keeps a stream per call, because one HTTP/2 stream has one flow-control window and tritonserver
-writes a stream's responses one at a time, so token streams would queue behind each other.
+the other (an owner's polls), another only when each open one has `share` calls in flight, `pool`
+at most (see `StreamMux._stream`). Short answers are multiplexed (`control`, `prefill`: `SHARE`,
+`POOL`). Decode streams are reused but never shared (`share=1`, no cap): one HTTP/2 stream has one
+flow-control window and tritonserver writes a stream's responses one at a time, so token streams
+sharing one would queue behind each other; a decode takes an idle stream or opens one, and the
+stream is idle again once the call's final response has arrived.
 
 What makes a shared stream safe (docs/benchmarks.md, "Issue #20, third pass"):
 
@@ -27,6 +29,9 @@ What makes a shared stream safe (docs/benchmarks.md, "Issue #20, third pass"):
 - **Cancelling.** A cancelled caller only stops listening: its late responses are dropped, and
   writes are made by the stream's writer task, never by a caller (grpc.aio cancels the whole RPC
   when a write is cancelled). Engine work is cancelled explicitly, as before (`control.cancel`).
+  The abandoned call still counts as in flight on its stream until its final (or error) response
+  arrives: a decode stream is not handed to the next decode while the last one's tokens are still
+  coming, which would queue the new call's tokens behind them.
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class _Stream:
 
     def __init__(self, stub: Any) -> None:
         self.call = stub.ModelStreamInfer()
-        self.waiting: dict[str, asyncio.Queue[Any]] = {}
+        # The calls in flight; None: its caller stopped listening before the call's end.
+        self.waiting: dict[str, asyncio.Queue[Any] | None] = {}
         self.open = True  # takes new calls
         self.broken = ""  # why the stream ended (under its calls or not), once it did
         self.last_used = asyncio.get_running_loop().time()
@@ -86,6 +92,22 @@ class _Stream:
         self.waiting[rid] = q
         self._outbox.put_nowait(req)
         return q
+
+    def release(self, rid: str, ended: bool) -> None:
+        """The caller of `rid` stops listening. A call that did not end yet (cancelled caller,
+        deadline) stays in flight, abandoned, until its final or error response; one that did
+        (its last response may still be unread in its queue) leaves now."""
+        q = self.waiting.get(rid)
+        if not ended and q is not None:
+            while not q.empty():
+                item = q.get_nowait()
+                if isinstance(item, _Broken) or item.error_message or _final(item.infer_response):
+                    ended = True
+        if ended or q is None:
+            self.waiting.pop(rid, None)
+            self.last_used = asyncio.get_running_loop().time()
+        else:
+            self.waiting[rid] = None
 
     def retire(self) -> None:
         """Take no new calls; half-close once what is queued is written, so the server ends the
@@ -125,12 +147,16 @@ class _Stream:
                 q = self.waiting.get(r.id)
                 if q is not None:
                     q.put_nowait(resp)
+                elif r.id in self.waiting:  # an abandoned call: dropped; its end frees the stream
+                    if resp.error_message or _final(r):
+                        del self.waiting[r.id]
+                        self.last_used = asyncio.get_running_loop().time()
                 elif resp.error_message and not r.id:
                     # An error that names no request cannot be routed: no call could end on it.
                     reason = f"unroutable error: {resp.error_message}"
                     self.call.cancel()
                     break
-                # else: a late response of a call that stopped listening
+                # else: a late response of a call whose stream was given back (none should be)
         except grpc.aio.AioRpcError as exc:
             reason = _short(exc)
         except asyncio.CancelledError:
@@ -140,11 +166,13 @@ class _Stream:
 
 
 class StreamMux:
-    """The shared streams of one model of one worker, opened on demand, renewed at `MAX_AGE_S`
-    and half-closed when idle."""
+    """The long-lived streams of one model of one worker, opened on demand, renewed at `MAX_AGE_S`
+    and half-closed when idle. `one_each`: a stream carries one call at a time and as many are
+    opened as calls are in flight (decode); else calls share them (`SHARE`, `POOL`)."""
 
-    def __init__(self, stub: Any, address: str, model: str) -> None:
+    def __init__(self, stub: Any, address: str, model: str, one_each: bool = False) -> None:
         self._stub = stub
+        self._one_each = one_each
         self._label = f"{address} {model}"
         self._open: list[_Stream] = []  # taking new calls
         self._live: set[_Stream] = set()  # not ended yet (open or draining)
@@ -153,13 +181,13 @@ class StreamMux:
 
     def _stream(self) -> _Stream:
         """The open stream with the fewest calls in flight; a new one when each has `SHARE` or
-        more and fewer than `POOL` are open. grpc.aio keeps one receive (and one send) pending per
-        stream, each completed by a turn of the event loop, so calls that all share one stream
-        get their responses one loop turn apart: under load (32 clients through a gateway) that
-        cost more throughput than the set-ups it saved (bench/router_overhead.py, 32 clients,
-        medians of 3 runs at load 4-6: one stream ~93 req/s, a stream per call ~119, up to 4 calls
-        a stream and 8 streams ~124). Streams are still
-        reused call after call, which is where the saving is."""
+        more and fewer than `POOL` are open (with `one_each`: when none is idle). grpc.aio keeps
+        one receive (and one send) pending per stream, each completed by a turn of the event loop,
+        so calls that all share one stream get their responses one loop turn apart: under load (32
+        clients through a gateway) that cost more throughput than the set-ups it saved
+        (bench/router_overhead.py, 32 clients, medians of 3 runs at load 4-6: one stream ~93
+        req/s, a stream per call ~119, up to 4 calls a stream and 8 streams ~124). Streams are
+        still reused call after call, which is where the saving is."""
         best: _Stream | None = None
         still = []
         for s in self._open:
@@ -168,7 +196,11 @@ class StreamMux:
                 if best is None or len(s.waiting) < len(best.waiting):
                     best = s
         self._open = still
-        if best is None or (len(best.waiting) >= SHARE and len(still) < POOL):
+        if (
+            best is None
+            or (self._one_each and best.waiting)
+            or (len(best.waiting) >= SHARE and len(still) < POOL and not self._one_each)
+        ):
             best = _Stream(self._stub)
             self.opened += 1
             self._open.append(best)
@@ -204,6 +236,7 @@ class StreamMux:
         req.id = rid
         req.parameters[_ASK_FINAL].bool_param = True
         q = s.send(rid, req)
+        ended = False
         try:
             while True:
                 if q.empty() and deadline is not None:
@@ -216,17 +249,19 @@ class StreamMux:
                 else:
                     item = await q.get()
                 if isinstance(item, _Broken):
+                    ended = True
                     raise WorkerUnavailable(f"{self._label}: {item.reason}")
                 if item.error_message:
+                    ended = True
                     raise WorkerUnavailable(f"{self._label}: {item.error_message[-1500:]}")
                 r = item.infer_response
+                ended = _final(r)
                 if r.outputs:
                     yield wrap(r)
-                if _FINAL in r.parameters and r.parameters[_FINAL].bool_param:
+                if ended:
                     return
         finally:
-            s.waiting.pop(rid, None)
-            s.last_used = loop.time()
+            s.release(rid, ended)
 
     def close(self) -> list[asyncio.Task[None]]:
         """Half-close every stream; returns their readers, which end when the server ends them
@@ -235,6 +270,11 @@ class StreamMux:
             s.retire()
         self._open = []
         return [s.reader for s in self._live]
+
+
+def _final(r: Any) -> bool:
+    """Whether an `infer_response` carries the final flag."""
+    return _FINAL in r.parameters and bool(r.parameters[_FINAL].bool_param)
 
 
 def _short(exc: Any) -> str:

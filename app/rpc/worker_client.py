@@ -2,9 +2,10 @@
 
 One long-lived channel per worker per process. Every model is decoupled, so every call is a
 stream: control and prefill calls share one long-lived stream per model (app/rpc/mux_stream.py),
-decode calls have one each. Closing a stream does not cancel its work on the server (neither
-tritonclient nor PyTriton checks): an abandoned per-call stream is cancelled here, an abandoned
-call on a shared stream stops listening, and engine work is cancelled with `control.cancel` by the
+decode calls reuse long-lived streams that carry one decode at a time. Closing a stream does not
+cancel its work on the server (neither tritonclient nor PyTriton checks): an abandoned per-call
+stream is cancelled here, an abandoned call on a long-lived stream stops listening (the stream
+stays busy until the call's end), and engine work is cancelled with `control.cancel` by the
 caller who owns it.
 
 Calls go straight to the KServe stub (`ModelStreamInfer`) with the request written from the
@@ -16,6 +17,7 @@ per request. tritonclient still supplies the protobuf types and `InferResult` fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -175,7 +177,12 @@ def _b(values: Sequence[str]) -> np.ndarray:
 
 class WorkerClient:
     def __init__(
-        self, address: str, secret: str = "", block_keys: bool = True, mux: bool | None = None
+        self,
+        address: str,
+        secret: str = "",
+        block_keys: bool = True,
+        mux: bool | None = None,
+        decode_mux: bool | None = None,
     ) -> None:
         self.address = address
         # False: always send token ids (a bench's baseline; docs/worker-protocol.md §4.1)
@@ -190,14 +197,19 @@ class WorkerClient:
         self._inputs: dict[str, KeySpace | None] = {}
         self._describing = asyncio.Lock()
         # Control and prefill calls share one long-lived stream per model (app/rpc/mux_stream.py;
-        # FLEXLB_GRPC_MUX=off: a stream per call); decode keeps a stream per call.
-        if mux is None:
+        # FLEXLB_GRPC_MUX=off: a stream per call); decode calls reuse streams, one call at a time
+        # (FLEXLB_GRPC_MUX_DECODE, with FLEXLB_GRPC_MUX; off: a stream per call).
+        if mux is None or (mux and decode_mux is None):
             from app.config import Settings
 
-            mux = Settings().grpc_mux
+            settings = Settings()
+            mux = settings.grpc_mux if mux is None else mux
+            decode_mux = settings.grpc_mux_decode if decode_mux is None else decode_mux
         self._mux = (
             {m: StreamMux(self._stub, address, m) for m in (W.CONTROL_MODEL, W.PREFILL_MODEL)} if mux else {}
         )
+        if mux and decode_mux:
+            self._mux[W.DECODE_MODEL] = StreamMux(self._stub, address, W.DECODE_MODEL, one_each=True)
 
     async def close(self) -> None:
         """Half-close the shared streams and give the worker 0.5 s to end them: a cancel as a
@@ -210,7 +222,7 @@ class WorkerClient:
     def _call(
         self, model: str, inputs: Sequence[Input], timeout: float | None, request_id: str = ""
     ) -> AsyncIterator[InferResult]:
-        """A control or prefill call: on the model's shared stream, else on a stream of its own."""
+        """A call on the model's long-lived streams, else on a stream of its own."""
         mux = self._mux.get(model)
         if mux is None:
             return self._stream(model, inputs, timeout, request_id)
@@ -398,28 +410,32 @@ class WorkerClient:
             inputs.append(_inp(W.D_BLOCK_KEYS, np.asarray(block_keys, dtype=np.uint64), "UINT64"))
             inputs.append(_inp(W.D_BLOCK_SIZE, np.array([block_size], dtype=np.int32), "INT32"))
         finish: DecodeEvent | None = None
-        async for r in self._stream(W.DECODE_MODEL, inputs, timeout, request_id=request_id):
-            # An event carries only its own tensors (docs/worker-protocol.md §5): absent = empty.
-            tokens = r.as_numpy(W.D_TOKENS)
-            ev = DecodeEvent(
-                event=_s(r.as_numpy(W.D_EVENT)[0]),
-                tokens=tokens.tolist() if tokens is not None else [],
-                first_index=int(_first(r, W.D_FIRST_INDEX, 0)),
-                t_first_ms=float(r.as_numpy(W.D_T_FIRST_MS)[0]),
-                t_last_ms=float(r.as_numpy(W.D_T_LAST_MS)[0]),
-                finish_reason=_s(_first(r, W.D_FINISH_REASON, b"")),
-                generated=int(_first(r, W.D_GENERATED, 0)),
-                error=_s(_first(r, W.D_ERROR, b"")),
-            )
-            if ev.event == "tokens":
-                yield ev
-                continue
-            if ev.tokens:  # the last chunk rode on `finish` (§6.2)
-                yield DecodeEvent("tokens", ev.tokens, ev.first_index, ev.t_first_ms, ev.t_last_ms)
-                ev.tokens, ev.first_index, ev.t_first_ms = [], 0, ev.t_last_ms
-            # Held until the stream ends by itself: a consumer that stops at `finish` would
-            # otherwise cancel a completing RPC (see `control`).
-            finish = ev
+        # Closed here when our consumer leaves early, not when the generator is collected: its
+        # stream (a reused one: busy until the call's end) is cancelled or given back at once.
+        calls = contextlib.aclosing(self._call(W.DECODE_MODEL, inputs, timeout, request_id=request_id))
+        async with calls as responses:
+            async for r in responses:
+                # An event carries only its own tensors (docs/worker-protocol.md §5): absent = empty.
+                tokens = r.as_numpy(W.D_TOKENS)
+                ev = DecodeEvent(
+                    event=_s(r.as_numpy(W.D_EVENT)[0]),
+                    tokens=tokens.tolist() if tokens is not None else [],
+                    first_index=int(_first(r, W.D_FIRST_INDEX, 0)),
+                    t_first_ms=float(r.as_numpy(W.D_T_FIRST_MS)[0]),
+                    t_last_ms=float(r.as_numpy(W.D_T_LAST_MS)[0]),
+                    finish_reason=_s(_first(r, W.D_FINISH_REASON, b"")),
+                    generated=int(_first(r, W.D_GENERATED, 0)),
+                    error=_s(_first(r, W.D_ERROR, b"")),
+                )
+                if ev.event == "tokens":
+                    yield ev
+                    continue
+                if ev.tokens:  # the last chunk rode on `finish` (§6.2)
+                    yield DecodeEvent("tokens", ev.tokens, ev.first_index, ev.t_first_ms, ev.t_last_ms)
+                    ev.tokens, ev.first_index, ev.t_first_ms = [], 0, ev.t_last_ms
+                # Held until the stream ends by itself: a consumer that stops at `finish` would
+                # otherwise cancel a completing RPC (see `control`).
+                finish = ev
         if finish is not None:
             yield finish
 
