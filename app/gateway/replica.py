@@ -111,6 +111,7 @@ class Replica:
             self.mirror,
             worker_secret=settings.worker_secret or "",
             grpc_mux=settings.grpc_mux,
+            grpc_mux_decode=settings.grpc_mux_decode,
         )
         self.runtime = RuntimeConfig(settings, self.redis, self.keys)
         self.tokenizer = load_tokenizer(settings.tokenizer)

@@ -31,9 +31,11 @@ class WorkerViews:
         mirror: CacheMirror,
         worker_secret: str = "",
         grpc_mux: bool = True,
+        grpc_mux_decode: bool = True,
     ) -> None:
         self._worker_secret = worker_secret  # the workers' control secret (FLEXLB_WORKER_SECRET)
         self._grpc_mux = grpc_mux  # FLEXLB_GRPC_MUX: shared streams for control and prefill calls
+        self._grpc_mux_decode = grpc_mux_decode  # FLEXLB_GRPC_MUX_DECODE: reused decode streams
         self._redis = redis
         self._keys = keys
         self._registry = registry
@@ -61,7 +63,9 @@ class WorkerViews:
         c = self.clients.get(wid)
         if c is None:
             addr = self.workers.get(wid, {}).get("address") or wid.split("@", 1)[1]
-            c = self.clients[wid] = WorkerClient(addr, secret=self._worker_secret, mux=self._grpc_mux)
+            c = self.clients[wid] = WorkerClient(
+                addr, secret=self._worker_secret, mux=self._grpc_mux, decode_mux=self._grpc_mux_decode
+            )
         return c
 
     async def load_registry(self) -> None:
