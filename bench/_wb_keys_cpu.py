@@ -2,7 +2,7 @@
 keys itself vs sending the keys the hand-off entry carries from routing (app/dispatch/owner.py).
 
 In-process, no worker: parse the queue entries (`parse_item`) and build the `block_keys` input
-(`_prompt_input`) the way the owner's client does, in alternating blocks; prints CPU ms per batch.
+(`prompt_input`) the way the owner's client does, in alternating blocks; prints CPU ms per batch.
 
     .venv/bin/python bench/_wb_keys_cpu.py [BATCHES] [BATCH] [TOKENS]
 """
@@ -19,7 +19,7 @@ import numpy as np
 from app.dispatch.items import parse_item
 from app.dispatch.owner import _carried_keys
 from app.protocol.blocks import block_keys, namespace_seed
-from app.rpc.worker_client import KeySpace, _prompt_input
+from app.rpc.tensors import KeySpace, prompt_input
 from app.state.handoff import pack_keys, pack_tokens
 
 BS, MODEL, TOKENIZER = 64, "flexlb-sim", "byte"
@@ -41,7 +41,7 @@ def main(n: int, size: int, length: int) -> None:
     def one(carry: bool, entries: list) -> None:
         items = [parse_item("1-0", {**f, b"k": k} if carry else f) for f, k in entries]
         keys = _carried_keys(items)
-        _prompt_input([(i.request_id, i.tokens) for i in items], ks, keys)
+        prompt_input([(i.request_id, i.tokens) for i in items], ks, keys)
 
     per: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(6):

@@ -34,15 +34,9 @@ from tritonclient.grpc import InferResult
 from worker_cpu import cpu_by_process
 
 from app.protocol import worker_api as W
-from app.rpc.worker_client import (
-    WorkerClient,
-    WorkerUnavailable,
-    _b,
-    _inp,
-    _prefill_event,
-    _prompt_input,
-    _request,
-)
+from app.rpc.events import prefill_event
+from app.rpc.tensors import bytes_tensor, infer_request, inp, prompt_input
+from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 
 WORKER_ARGS = ["--profile", "formula", "--formula", "0", "--kv-handle-ttl-ms", "1"]
 
@@ -62,7 +56,7 @@ class MuxStream:
                 q.put_nowait(resp)
 
     async def stream(self, model: str, inputs: list[Any], rid: str) -> AsyncIterator[InferResult]:
-        req = _request(model, inputs, rid)
+        req = infer_request(model, inputs, rid)
         req.parameters["triton_enable_empty_final_response"].bool_param = True
         q: asyncio.Queue[Any] = asyncio.Queue()
         self.waiting[rid] = q
@@ -103,11 +97,11 @@ async def main(n: int, size: int, length: int) -> None:
             ids = rng.integers(0, 30000, size * length, dtype=np.int32)
             reqs = [(uuid.uuid4().hex, ids[i * length : (i + 1) * length]) for i in range(size)]
             return [
-                _inp(W.P_BATCH_ID, _b([bid]), "BYTES"),
-                _inp(W.P_EPOCH, _b([w.epoch]), "BYTES"),
-                _inp(W.P_REQUEST_IDS, _b([r for r, _ in reqs]), "BYTES"),
-                _prompt_input(reqs, ks, None),
-                _inp(W.P_INPUT_LENGTHS, np.array([len(t) for _, t in reqs], dtype=np.int32), "INT32"),
+                inp(W.P_BATCH_ID, bytes_tensor([bid]), "BYTES"),
+                inp(W.P_EPOCH, bytes_tensor([w.epoch]), "BYTES"),
+                inp(W.P_REQUEST_IDS, bytes_tensor([r for r, _ in reqs]), "BYTES"),
+                prompt_input(reqs, ks, None),
+                inp(W.P_INPUT_LENGTHS, np.array([len(t) for _, t in reqs], dtype=np.int32), "INT32"),
             ]
 
         async def one(multiplexed: bool) -> float:
@@ -120,7 +114,7 @@ async def main(n: int, size: int, length: int) -> None:
                 if multiplexed
                 else client._stream(W.PREFILL_MODEL, inp, 20, request_id=bid)
             )
-            events = [_prefill_event(r).event async for r in src]
+            events = [prefill_event(r).event async for r in src]
             assert events == ["results"], events  # zero time: accepted + results + final in one
             return (time.monotonic() - t0) * 1000
 

@@ -27,7 +27,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("logging", ("logging/", "_JsonFormatter", "app/logs.py", "Endings._log")),
     ("Redis (client + commands)", ("app/state/", "redis/", "hiredis")),
     ("tokenisation", ("app/tokens/",)),
-    ("gRPC prefill", ("WorkerClient.prefill", "_prefill_event")),
+    ("gRPC prefill", ("WorkerClient.prefill", "prefill_event")),
     ("gRPC decode", ("WorkerClient.decode", "_decode_tokens")),
     ("gRPC (call set-up, streams)", ("grpc/", "app/rpc/", "tritonclient/")),
     ("reply (origin reads the owner's answer)", ("app/request/channels.py",)),

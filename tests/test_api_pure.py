@@ -94,9 +94,9 @@ def test_a_negative_seed_reaches_the_engines_as_an_exact_int64() -> None:
     import numpy as np
 
     from app.api.schemas import GenerateRequest, sampling_of
-    from app.rpc.worker_client import _sampling_inputs
+    from app.rpc.tensors import sampling_inputs
 
     sampling = sampling_of(GenerateRequest(prompt="hi", seed=-103))
     assert sampling is not None
-    seeds = _sampling_inputs([sampling, None], "t", "p", "s")[2][1]
+    seeds = sampling_inputs([sampling, None], "t", "p", "s")[2][1]
     assert seeds.dtype == np.int64 and seeds.tolist() == [2**63 - 103, -1]

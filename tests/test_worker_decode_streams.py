@@ -18,7 +18,8 @@ import pytest
 from app.protocol import worker_api as W
 from app.rpc import mux_stream
 from app.rpc.mux_stream import StreamMux
-from app.rpc.worker_client import DecodeEvent, WorkerClient, WorkerUnavailable, _b, _inp
+from app.rpc.tensors import bytes_tensor, inp
+from app.rpc.worker_client import DecodeEvent, WorkerClient, WorkerUnavailable
 from workers.engine.tokens import output_tokens
 
 from .conftest import start_worker
@@ -141,9 +142,9 @@ async def test_an_error_response_ends_only_its_decode_and_the_stream_is_reused(c
     await collect_decode(d, "warm-" + uid(), epoch, 10, 2)
     opened = pool_of(d).opened
     bad = [
-        _inp(W.D_REQUEST_ID, _b(["bad-" + uid()]), "BYTES"),
-        _inp(W.D_EPOCH, _b([epoch]), "BYTES"),
-        _inp(W.D_INPUT_TOKENS, np.array([1.0], dtype=np.float32), "FP32"),  # Triton refuses it
+        inp(W.D_REQUEST_ID, bytes_tensor(["bad-" + uid()]), "BYTES"),
+        inp(W.D_EPOCH, bytes_tensor([epoch]), "BYTES"),
+        inp(W.D_INPUT_TOKENS, np.array([1.0], dtype=np.float32), "FP32"),  # Triton refuses it
     ]
     t0 = time.monotonic()
     with pytest.raises(WorkerUnavailable, match=r"(?i)data-type|FP32"):

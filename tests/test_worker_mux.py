@@ -16,7 +16,8 @@ import pytest
 
 from app.protocol import worker_api as W
 from app.rpc import mux_stream
-from app.rpc.worker_client import WorkerClient, WorkerUnavailable, _b, _inp
+from app.rpc.tensors import bytes_tensor, inp
+from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 
 from .conftest import start_worker
 from .test_worker_triton import collect_prefill, prompt, uid
@@ -70,11 +71,11 @@ async def test_error_response_ends_only_its_call(clients, one_stream) -> None:
     await asyncio.sleep(0.05)
     streams = opened(p, W.PREFILL_MODEL)
     bad = [
-        _inp(W.P_BATCH_ID, _b(["bad-" + uid()]), "BYTES"),
-        _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
-        _inp(W.P_REQUEST_IDS, _b(["a"]), "BYTES"),
-        _inp(W.P_INPUT_IDS, np.array([1.0, 2.0], dtype=np.float32), "FP32"),  # Triton refuses it
-        _inp(W.P_INPUT_LENGTHS, np.array([2], dtype=np.int32), "INT32"),
+        inp(W.P_BATCH_ID, bytes_tensor(["bad-" + uid()]), "BYTES"),
+        inp(W.P_EPOCH, bytes_tensor([epoch]), "BYTES"),
+        inp(W.P_REQUEST_IDS, bytes_tensor(["a"]), "BYTES"),
+        inp(W.P_INPUT_IDS, np.array([1.0, 2.0], dtype=np.float32), "FP32"),  # Triton refuses it
+        inp(W.P_INPUT_LENGTHS, np.array([2], dtype=np.int32), "INT32"),
     ]
     t0 = time.monotonic()
     with pytest.raises(WorkerUnavailable, match=r"(?i)data-type|FP32"):

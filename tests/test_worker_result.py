@@ -1,4 +1,4 @@
-"""The worker client reads gRPC answers through `_Result`, an `InferResult` that finds outputs by
+"""The worker client reads gRPC answers through `IndexedResult`, an `InferResult` that finds outputs by
 name through one index per event: it must read every answer exactly as tritonclient's does."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from tritonclient.grpc import InferResult, service_pb2
 from tritonclient.utils import serialize_byte_tensor
 
-from app.rpc.worker_client import _Result
+from app.rpc.events import IndexedResult
 
 
 def _response(
@@ -52,7 +52,7 @@ def _read(r: InferResult, name: str) -> np.ndarray | type[Exception] | None:
 @pytest.mark.parametrize("raw_for", [None, 3])
 def test_reads_every_output_as_tritonclient_does(raw_for: int | None) -> None:
     resp = _response(OUTPUTS, raw_for)
-    ours, theirs = _Result(resp), InferResult(resp)
+    ours, theirs = IndexedResult(resp), InferResult(resp)
     for name in [*{n for n, _, _ in OUTPUTS}, "absent"]:
         for _ in range(2):  # the index is built on the first read, used on the second
             a, b = _read(ours, name), _read(theirs, name)

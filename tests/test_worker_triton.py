@@ -281,7 +281,7 @@ async def test_last_event_carries_final_and_finish_carries_last_tokens(clients) 
     final, and a decode stream whose last chunk is ready at its end sends it on `finish`; the
     client still yields `results` then `final`, and `tokens` then `finish`."""
     from app.protocol import worker_api as W
-    from app.rpc.worker_client import _b, _inp
+    from app.rpc.tensors import bytes_tensor, inp
 
     p, d = clients["prefill"][0], clients["decode"][0]
     await p.configure(formula="5")
@@ -290,11 +290,11 @@ async def test_last_event_carries_final_and_finish_carries_last_tokens(clients) 
     rid, bid = "w-" + uid(), "b-" + uid()
     ids = prompt(3, 100)
     inputs = [
-        _inp(W.P_BATCH_ID, _b([bid]), "BYTES"),
-        _inp(W.P_EPOCH, _b([pe]), "BYTES"),
-        _inp(W.P_REQUEST_IDS, _b([rid]), "BYTES"),
-        _inp(W.P_INPUT_IDS, ids, "INT32"),
-        _inp(W.P_INPUT_LENGTHS, np.array([len(ids)], dtype=np.int32), "INT32"),
+        inp(W.P_BATCH_ID, bytes_tensor([bid]), "BYTES"),
+        inp(W.P_EPOCH, bytes_tensor([pe]), "BYTES"),
+        inp(W.P_REQUEST_IDS, bytes_tensor([rid]), "BYTES"),
+        inp(W.P_INPUT_IDS, ids, "INT32"),
+        inp(W.P_INPUT_LENGTHS, np.array([len(ids)], dtype=np.int32), "INT32"),
     ]
     wire = [r async for r in p._stream(W.PREFILL_MODEL, inputs, 30)]
     kinds = [r.as_numpy(W.P_EVENT)[0].decode() for r in wire]
@@ -302,10 +302,10 @@ async def test_last_event_carries_final_and_finish_carries_last_tokens(clients) 
     assert wire[1].as_numpy(W.P_FINAL).tolist() == [1]
     assert wire[0].as_numpy(W.P_FINAL) is None  # accepted carries no flag
     d_inputs = [
-        _inp(W.D_REQUEST_ID, _b([rid]), "BYTES"),
-        _inp(W.D_EPOCH, _b([de]), "BYTES"),
-        _inp(W.D_INPUT_TOKENS, np.array([100], dtype=np.int32), "INT32"),
-        _inp(W.D_MAX_NEW_TOKENS, np.array([3], dtype=np.int32), "INT32"),
+        inp(W.D_REQUEST_ID, bytes_tensor([rid]), "BYTES"),
+        inp(W.D_EPOCH, bytes_tensor([de]), "BYTES"),
+        inp(W.D_INPUT_TOKENS, np.array([100], dtype=np.int32), "INT32"),
+        inp(W.D_MAX_NEW_TOKENS, np.array([3], dtype=np.int32), "INT32"),
     ]
     d_wire = [r async for r in d._stream(W.DECODE_MODEL, d_inputs, 30)]
     last = d_wire[-1]
@@ -360,7 +360,7 @@ async def test_block_keys_instead_of_ids_give_the_same_cache_and_results(clients
     client sends those, 1/128 of the ids' bytes, and the worker caches exactly what ids give."""
     from app.protocol import worker_api as W
     from app.protocol.blocks import block_keys
-    from app.rpc.worker_client import PromptKeys, _b, _inp
+    from app.rpc.tensors import PromptKeys, bytes_tensor, inp
 
     c = clients["prefill"][0]
     await c.configure(formula="10 + sum(0.01*computeTokens)")
@@ -393,11 +393,11 @@ async def test_block_keys_instead_of_ids_give_the_same_cache_and_results(clients
     assert set(block_keys(other, 64)) <= set(after["added"])
     # keys that do not match the lengths are refused as a whole
     bad = [
-        _inp(W.P_BATCH_ID, _b(["bad-" + uid()]), "BYTES"),
-        _inp(W.P_EPOCH, _b([epoch]), "BYTES"),
-        _inp(W.P_REQUEST_IDS, _b(["a"]), "BYTES"),
-        _inp(W.P_BLOCK_KEYS, np.arange(3, dtype=np.uint64), "UINT64"),
-        _inp(W.P_INPUT_LENGTHS, np.array([64 * 2], dtype=np.int32), "INT32"),
+        inp(W.P_BATCH_ID, bytes_tensor(["bad-" + uid()]), "BYTES"),
+        inp(W.P_EPOCH, bytes_tensor([epoch]), "BYTES"),
+        inp(W.P_REQUEST_IDS, bytes_tensor(["a"]), "BYTES"),
+        inp(W.P_BLOCK_KEYS, np.arange(3, dtype=np.uint64), "UINT64"),
+        inp(W.P_INPUT_LENGTHS, np.array([64 * 2], dtype=np.int32), "INT32"),
     ]
     out = [ev async for ev in c._stream(W.PREFILL_MODEL, bad, timeout=10)]
     assert len(out) == 1 and out[0].as_numpy(W.P_EVENT)[0] == b"error"
@@ -413,14 +413,15 @@ async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
         await collect_prefill(p, "b-" + uid(), epoch, [])
     # lengths that do not add up: the worker answers a typed error event
 
-    from app.rpc.worker_client import WorkerUnavailable, _b, _inp
+    from app.rpc.tensors import bytes_tensor, inp
+    from app.rpc.worker_client import WorkerUnavailable
 
     inputs = [
-        _inp("batch_id", _b(["bad-" + uid()]), "BYTES"),
-        _inp("epoch", _b([epoch]), "BYTES"),
-        _inp("request_ids", _b(["a", "b"]), "BYTES"),
-        _inp("input_ids", np.arange(10, dtype=np.int32), "INT32"),
-        _inp("input_lengths", np.array([3, 3], dtype=np.int32), "INT32"),
+        inp("batch_id", bytes_tensor(["bad-" + uid()]), "BYTES"),
+        inp("epoch", bytes_tensor([epoch]), "BYTES"),
+        inp("request_ids", bytes_tensor(["a", "b"]), "BYTES"),
+        inp("input_ids", np.arange(10, dtype=np.int32), "INT32"),
+        inp("input_lengths", np.array([3, 3], dtype=np.int32), "INT32"),
     ]
     evs = [ev async for ev in p._stream("prefill", inputs, timeout=10)]
     assert len(evs) == 1 and evs[0].as_numpy("event")[0] == b"error"
@@ -441,7 +442,7 @@ async def test_bad_input_typed_and_worker_keeps_serving(clients) -> None:
     statuses = sorted(r["status"] for ev in evs for r in ev.results)
     assert statuses == ["duplicate", "invalid_request", "ok", "too_long"]
     # wrong dtype at the gRPC level → Triton refuses; worker keeps serving
-    bad = _inp("input_ids", np.array([1.0, 2.0], dtype=np.float32), "FP32")
+    bad = inp("input_ids", np.array([1.0, 2.0], dtype=np.float32), "FP32")
     with pytest.raises(WorkerUnavailable, match=r"(?i)data-type|FP32"):
         async for _ in p._stream("prefill", [*inputs[:3], bad, inputs[4]], timeout=5):
             raise AssertionError("no response expected")
