@@ -6,7 +6,9 @@ batcher knobs from the config hash; runtime.py), `Membership` and `LeaseManager`
 the control connection pool), `Ownership` (pollers and owner dispatchers for the leases held;
 ownership.py), `MasterDuties` (sweep, reaping, reconciler; master.py), the cache mirror and its
 follower (app/cache/), the request `Pipeline` (app/request/). The replica keeps the Redis health
-watch (`fail_closed`, DESIGN §6), the rebuild of a Redis that came back empty, start/drain/stop.
+watch (`fail_closed`, DESIGN §6), the rebuild of a Redis that came back empty, start/drain/stop;
+what the request path, the admin API and /readyz read of those services is `ReplicaFacade`
+(facade.py).
 
 The replica holds no state another replica needs: everything shared is in Redis; what is kept
 here (worker snapshots, the cache mirror) is a local copy that any replica rebuilds from Redis.
@@ -30,23 +32,16 @@ from app.cache.mirror import CacheMirror
 from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.membership import Membership
-from app.cluster.poller import WorkerPoller
 from app.cluster.reconciler import Reconciler
 from app.cluster.registry import Registry, WorkerSpec
 from app.config import Settings
-from app.dispatch.owner import OwnerDispatcher
+from app.gateway.facade import ReplicaFacade
 from app.gateway.master import MasterDuties
 from app.gateway.ownership import Ownership, lease_metric
 from app.gateway.runtime import BATCHER_KEYS, RuntimeConfig, batcher_config_from
 from app.gateway.views import WorkerViews
 from app.request.channels import NotifyListener, ReplyRouter
 from app.request.pipeline import Pipeline
-from app.rpc.worker_client import WorkerClient
-from app.scheduling.admission import AdmissionConfig
-from app.scheduling.batcher import BatcherConfig
-from app.scheduling.formula import Formula
-from app.scheduling.policy import Policy, PolicyBook
-from app.security.apikeys import Limits
 from app.state.connect import ping, redis_client
 from app.state.keys import Keys
 from app.state.resp import RespConnection
@@ -69,7 +64,7 @@ def default_replica_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class Replica:
+class Replica(ReplicaFacade):
     def __init__(
         self, settings: Settings, redis_url: str, seed_workers: list[WorkerSpec] | None = None
     ) -> None:
@@ -213,106 +208,6 @@ class Replica:
         self._tasks: list[asyncio.Task[Any]] = []
         self._commands_exported = 0
         self._epoch_lock = asyncio.Lock()
-
-    # ---- the services' state, as the request path, the admin API and /status read it ----------
-    @property
-    def workers(self) -> dict[str, dict[str, str]]:
-        return self.views.workers
-
-    @property
-    def snapshots(self) -> dict[str, dict[str, str]]:
-        return self.views.snapshots
-
-    @property
-    def snapshot_time(self) -> dict[str, float]:
-        return self.views.snapshot_time
-
-    @property
-    def queued_overlay(self) -> dict[str, tuple[float, float]]:
-        return self.views.queued_overlay
-
-    @property
-    def clients(self) -> dict[str, WorkerClient]:
-        return self.views.clients
-
-    def prefill_ids(self) -> list[str]:
-        return self.views.prefill_ids()
-
-    def decode_ids(self) -> list[str]:
-        return self.views.decode_ids()
-
-    def worker_up(self, wid: str) -> bool:
-        return self.views.worker_up(wid)
-
-    def client(self, wid: str) -> WorkerClient:
-        return self.views.client(wid)
-
-    @property
-    def formula(self) -> Formula:
-        return self.runtime.formula
-
-    @property
-    def policies(self) -> PolicyBook:
-        return self.runtime.policies
-
-    @property
-    def prefill_strategy(self) -> Policy:
-        return self.runtime.prefill_strategy
-
-    @property
-    def decode_strategy(self) -> Policy:
-        return self.runtime.decode_strategy
-
-    @property
-    def batcher_config(self) -> BatcherConfig:
-        return self.runtime.batcher_config
-
-    @property
-    def admission(self) -> AdmissionConfig:
-        return self.runtime.admission
-
-    @property
-    def tenant_limits(self) -> dict[str, Limits]:
-        return self.runtime.tenant_limits
-
-    @property
-    def config_version(self) -> int:
-        return self.runtime.version
-
-    @property
-    def pollers(self) -> dict[str, WorkerPoller]:
-        return self.ownership.pollers
-
-    @property
-    def dispatchers(self) -> dict[str, OwnerDispatcher]:
-        return self.ownership.dispatchers
-
-    def wake_owner(self, wid: str) -> None:
-        self.ownership.wake(wid)
-
-    async def settle_epoch(self, wid: str, old_epoch: str, epoch: str = "") -> None:
-        await self.ownership.settle_epoch(wid, old_epoch, epoch)
-
-    async def reap_origin(self, dead: str) -> int:
-        return await self.master.reap_origin(dead)
-
-    def readiness(self) -> tuple[bool, list[str]]:
-        reasons = []
-        if self.draining or not self.accepting:
-            reasons.append("draining")
-        if not self.redis_ok:
-            reasons.append(f"redis unreachable: {self.redis_reason}")
-        if not any(self.worker_up(w) for w in self.prefill_ids()):
-            reasons.append("no live prefill worker")
-        if not any(self.worker_up(w) for w in self.decode_ids()):
-            reasons.append("no live decode worker")
-        reasons += self.loops.problems()
-        return not reasons, reasons
-
-    async def apply_runtime_config(self) -> None:
-        """Admin changes are stored in Redis; every replica applies them when the version moves."""
-        if await self.runtime.refresh():
-            self.ownership.wake_all()
 
     # ---- lifecycle -----------------------------------------------------------------------
     async def start(self) -> None:
