@@ -16,8 +16,7 @@ import time
 
 import numpy as np
 
-from app.dispatch.items import parse_item
-from app.dispatch.owner import _carried_keys
+from app.dispatch.items import carried_keys, parse_item
 from app.protocol.blocks import block_keys, namespace_seed
 from app.rpc.tensors import KeySpace, prompt_input
 from app.state.handoff import pack_keys, pack_tokens
@@ -40,7 +39,7 @@ def main(n: int, size: int, length: int) -> None:
 
     def one(carry: bool, entries: list) -> None:
         items = [parse_item("1-0", {**f, b"k": k} if carry else f) for f, k in entries]
-        keys = _carried_keys(items)
+        keys = carried_keys(items)
         prompt_input([(i.request_id, i.tokens) for i in items], ks, keys)
 
     per: dict[bool, list[float]] = {False: [], True: []}
