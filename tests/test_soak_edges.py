@@ -5,15 +5,24 @@ each test here failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import uuid
+from pathlib import Path
 from typing import Any, cast
 
+import pytest
+import redis
 import redis.asyncio as aioredis
 
 from app.cluster.leases import Lease
 from app.dispatch.owner import OwnerDispatcher
+from app.netports import free_port
+from app.state.embedded_redis import find_redis_server
 from app.state.keys import Keys
 from app.state.retry import TerminalWrites
 from app.state.store import StateStore
+
+from .gateways import start_gateway, wait_for
 
 
 def test_an_owner_retries_its_replies_in_the_replicas_queue_even_while_that_queue_is_empty() -> None:
@@ -36,3 +45,43 @@ def test_an_owner_retries_its_replies_in_the_replicas_queue_even_while_that_queu
         assert d.terminal is shared
 
     asyncio.run(run())
+
+
+def test_a_request_status_or_cancel_while_redis_is_away_is_a_typed_retryable_503(tmp_path: Path) -> None:
+    """During the soak's Redis restart, `DELETE /v1/requests/{id}` (and `GET`) raised redis-py's
+    ConnectionError / BusyLoadingError out of the handler: a 500 `internal` and an "unhandled
+    error" traceback in the log. Redis not answering is DESIGN §6's 503 `state_unavailable`,
+    retryable, with `Retry-After`, on every endpoint that reads it. A real redis-server, killed."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("needs redis-server on PATH")
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = subprocess.Popen([*args, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for(lambda: _pings(url), 10, what="redis-server up")
+        gw = start_gateway(tmp_path, url, f"t-away-{uuid.uuid4().hex[:6]}")
+        try:
+            assert gw.get("/v1/requests/some-id").status_code == 404  # Redis answers: not found
+            server.kill()
+            server.wait(5)
+            for resp in (gw.get("/v1/requests/some-id"), gw.delete("/v1/requests/some-id")):
+                assert resp.status_code == 503, (resp.status_code, resp.text)
+                err = resp.json()["error"]
+                assert err["code"] == "state_unavailable" and err["retryable"] is True, err
+                assert resp.headers.get("retry-after") == "1", resp.headers
+            assert "unhandled error" not in gw.log()
+        finally:
+            gw.stop()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(5)
+
+
+def _pings(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
+    except redis.ConnectionError:
+        return False
