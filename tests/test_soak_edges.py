@@ -10,6 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -22,7 +23,7 @@ from app.state.keys import Keys
 from app.state.retry import TerminalWrites
 from app.state.store import StateStore
 
-from .gateways import start_gateway, wait_for
+from .gateways import ADMIN_TOKEN, start_gateway, wait_for
 
 
 def test_an_owner_retries_its_replies_in_the_replicas_queue_even_while_that_queue_is_empty() -> None:
@@ -85,3 +86,42 @@ def _pings(url: str) -> bool:
         return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
     except redis.ConnectionError:
         return False
+
+
+@pytest.mark.triton
+def test_a_removed_worker_leaves_no_published_views_behind(
+    workers_reset: dict[str, list[Any]], shared_embedded_redis: str, cluster: str, tmp_path: Path
+) -> None:
+    """`DELETE /admin/workers/{id}` kept the worker's snapshot, cache diff stream and snapshot,
+    speculative stream, queued ms and tombstones in Redis for good (no TTL; nobody writes or trims
+    them once the worker is gone): ~0.8 MB per removed prefill worker at the soak's rates, so a
+    cluster whose workers come and go under new addresses grows with every departure. After the
+    removal, and after its owner let the lease go (its poller may publish once more), they must
+    be gone, and the tombstones must expire with their last entry."""
+    from .test_faults import wid
+
+    pre, dec = wid(workers_reset["prefill"][0]), wid(workers_reset["decode"][0])
+    gw = start_gateway(tmp_path, shared_embedded_redis, cluster, f"{pre},{dec}")
+    r = redis.Redis.from_url(shared_embedded_redis)
+    keys = Keys(cluster)
+    try:
+        wait_for(lambda: gw.readyz().get("ready") and len(gw.readyz()["owned"]) == 2, 60, 0.1, what="ready")
+        for i in range(4):
+            body = {"prompt": f"edges {i} " * 80, "max_new_tokens": 2}
+            assert gw.post("/v1/generate", json=body).status_code == 200
+        views = [keys.snapshot(pre), keys.cache_stream(pre), keys.cache_snapshot(pre), keys.spec_stream(pre)]
+        views.append(keys.queued_ms(pre))
+        published = [*views, keys.tombstones(pre)]
+        wait_for(lambda: all(r.exists(k) for k in published), 10, 0.1, what="every view published")
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        gone = httpx.delete(f"{gw.url}/admin/workers/{pre}", headers=admin, timeout=30)
+        assert gone.status_code == 200, gone.text
+        wait_for(lambda: r.get(keys.owner_lease(pre)) is None, 15, 0.1, what="owner lease let go")
+        left = [k for k in views if r.exists(k)]
+        assert left == [], left
+        assert 0 < r.pttl(keys.tombstones(pre)) <= 600_000 + 1000  # with its last entry (10 min TTL)
+        assert gw.post("/admin/workers", admin=True, json={"workers": pre}).status_code == 200
+        wait_for(lambda: r.pttl(keys.tombstones(pre)) == -1, 10, 0.1, what="tombstones lasting again")
+    finally:
+        gw.stop()
+        r.close()

@@ -16,6 +16,7 @@ from app.cluster.health import HealthChange
 from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.poller import WorkerPoller
+from app.cluster.registry import Registry
 from app.config import Settings
 from app.dispatch.ledger import settle_old_epochs
 from app.dispatch.owner import OwnerDispatcher
@@ -151,6 +152,10 @@ class Ownership:
         d = self.dispatchers.pop(wid, None)
         if d is not None:
             await d.stop()
+        if p is not None and not await self.redis.sismember(self.keys.workers, wid):
+            # Deregistered (not a lease lost to a Redis blip): our poller may have published once
+            # more after the removal deleted the worker's views; with it stopped, delete them again.
+            await Registry(self.redis, self.keys).forget_views(wid)
 
     async def on_health(self, wid: str, change: HealthChange) -> None:
         M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
