@@ -58,3 +58,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
     finally:
         os.close(fd)  # closing the descriptor releases the lock
+
+
+def wait_bindable(ports: list[int], timeout_s: float, host: str = "127.0.0.1") -> list[int]:
+    """Poll (every 50 ms, at most `timeout_s`) until each port can be bound on `host` again, as a
+    server restarted on it will need; returns the ports still taken at the end (empty: all free)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        taken = []
+        for port in ports:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind: TIME_WAIT is fine
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    taken.append(port)
+        if not taken or time.monotonic() >= deadline:
+            return taken
+        time.sleep(0.05)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from app.netports import wait_bindable
 from app.supervise import Console, Proc, spawn
 from workers.server.leftovers import sweep_after_kill
 from workers.server.spawn import ReadyLine
@@ -40,6 +41,9 @@ class StartError(RuntimeError):
 MAX_RESTARTS = 3
 #: How long a gateway may drain and a worker stop Triton before it is SIGKILLed.
 STOP_TIMEOUT_S = 15.0
+#: How long a dead worker's ports may take to be free again (its group SIGKILLed: the kernel's
+#: close, well under a second) before it is restarted on them anyway.
+PORTS_FREE_S = 10.0
 
 
 def _restart(p: Proc, log_dir: Path, env: dict[str, str], console: Console) -> Proc:
@@ -55,7 +59,12 @@ def _restart(p: Proc, log_dir: Path, env: dict[str, str], console: Console) -> P
     if p.is_gateway:
         new = spawn(p.name, p.args, log_dir, env, append=True)
     else:
-        ports = [f"--{k.replace('_', '-')}={p.info[k]}" for k in ("grpc_port", "http_port", "metrics_port")]
+        names = ("grpc_port", "http_port", "metrics_port")
+        p.reap_group()  # its Triton server outlives it for seconds, holding the ports
+        taken = wait_bindable([int(str(p.info[k])) for k in names], PORTS_FREE_S)
+        if taken:  # the new worker will fail to bind, and the supervisor loop stops the stack
+            console.say(f"{p.name}: ports {taken} still taken {PORTS_FREE_S:.0f} s after it died", err=True)
+        ports = [f"--{k.replace('_', '-')}={p.info[k]}" for k in names]
         new = spawn(p.name, [*p.args, *ports], log_dir, env, pipe=True, append=True)
         new.args = p.args
     new.info = p.info

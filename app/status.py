@@ -6,6 +6,12 @@ API request rate and the error answers by code. It reads only what the gateways 
 `/readyz` and `/metrics` of every replica (no token needed) and `/admin/workers` of one (the admin
 token; without it the worker columns that need it are left blank and the frame says so).
 
+The replicas shown are the cluster's, not only those given: every replica's `/readyz` names the
+live members (by heartbeat), and with the admin token `/admin/leases` gives their addresses, so
+`--url` of one replica still probes the others; a live member that cannot be probed (no token)
+is listed as such instead of being left out (the header said "1/1 replicas up" of a 3-replica
+cluster).
+
 Rates need two samples, so a frame compares the last two; `--once` takes two samples `--interval`
 apart, prints one frame and exits (for scripts and tests). The replicas come from `--url`
 (repeatable) or from the local stack's `logs/latest/stack.json`, whose folder also holds the admin
@@ -38,6 +44,7 @@ class ReplicaView:
     errors: dict[str, float] = field(default_factory=dict)  # error code -> error answers (counter)
     worker_input: dict[str, float] = field(default_factory=dict)  # worker -> prompt tokens (counter)
     worker_cached: dict[str, float] = field(default_factory=dict)
+    probed: bool = True  # False: a live member (by heartbeat) another replica named, not reached here
 
 
 @dataclass
@@ -76,27 +83,61 @@ async def _replica(http: httpx.AsyncClient, url: str) -> ReplicaView:
 
 async def sample(urls: list[str], token: str | None, timeout_s: float = 2.0) -> Sample:
     """One reading of every replica (in parallel) plus the workers' table from the first that
-    answers; never raises for an unreachable replica (it shows as down)."""
+    answers; never raises for an unreachable replica (it shows as down). Live members the given
+    URLs did not cover are probed too when the admin token tells their addresses, else listed as
+    live but not probed."""
     async with httpx.AsyncClient(timeout=timeout_s) as http:
-        views = await asyncio.gather(*(_replica(http, u) for u in urls))
+        views = list(await asyncio.gather(*(_replica(http, u) for u in urls)))
         workers = None
+        members: dict[str, str] = {}  # live replica id -> address, from /admin/leases
         err = "no admin token (--admin-token or FLEXLB_ADMIN_TOKEN): queue, owed, KV left blank"
         if token:
             err = "no replica answered"
+            auth = {"Authorization": f"Bearer {token}"}
             for v in views:
                 if not v.ok:
                     continue
                 try:
-                    r = await http.get(v.url + "/admin/workers", headers={"Authorization": f"Bearer {token}"})
+                    r, leases = await asyncio.gather(
+                        http.get(v.url + "/admin/workers", headers=auth),
+                        http.get(v.url + "/admin/leases", headers=auth),
+                    )
                 except httpx.HTTPError as exc:
                     err = str(exc)
                     continue
                 if r.status_code == 200:
                     workers, err = r.json().get("workers", {}), ""
+                    if leases.status_code == 200:
+                        for rid, d in (leases.json().get("replicas") or {}).items():
+                            if d.get("address"):
+                                members[rid] = str(d["address"])
                     break
                 err = f"/admin/workers answered {r.status_code} (wrong admin token?)"
                 break
-    return Sample(time.monotonic(), list(views), workers, err)
+        views += await _others(http, views, members)
+    return Sample(time.monotonic(), views, workers, err)
+
+
+async def _others(
+    http: httpx.AsyncClient, views: list[ReplicaView], members: dict[str, str]
+) -> list[ReplicaView]:
+    """The live members no given URL answered for: probed at their advertised address when known,
+    else a row that says they are live by heartbeat but were not probed."""
+    answered = {str(v.ready.get("replica")) for v in views if v.ok}
+    given = {v.url.removeprefix("http://").removeprefix("https://") for v in views}
+    live = {str(rid) for v in views if v.ok for rid in v.ready.get("live_replicas", [])} | set(members)
+    missing = sorted(live - answered)
+    probe = [rid for rid in missing if rid in members and members[rid] not in given]
+    found = list(await asyncio.gather(*(_replica(http, "http://" + members[rid]) for rid in probe)))
+    for rid, v in zip(probe, found, strict=True):
+        v.ready.setdefault("replica", rid)  # a live member its address did not answer for: down here
+    reached = {str(v.ready.get("replica")) for v in found}
+    unprobed = [
+        ReplicaView("", ready={"replica": rid}, probed=False)
+        for rid in missing
+        if rid not in reached and members.get(rid) not in given
+    ]
+    return found + unprobed
 
 
 # ---- rendering -------------------------------------------------------------------------------
@@ -125,6 +166,8 @@ def render(cur: Sample, prev: Sample | None) -> Any:
     dt = cur.at - prev.at if prev is not None else 0.0
     prev_by_url = {v.url: v for v in prev.replicas} if prev is not None else {}
     up = [v for v in cur.replicas if v.ok]
+    n_unprobed = sum(1 for v in cur.replicas if not v.probed)
+    unprobed = f" ({n_unprobed} by heartbeat only: no admin token for their address)" if n_unprobed else ""
     master = next((v.ready.get("replica") for v in up if v.ready.get("master")), None)
     statuses = {c for v in cur.replicas for c in v.requests}
     codes = {c for v in cur.replicas for c in v.errors}
@@ -145,8 +188,13 @@ def render(cur: Sample, prev: Sample | None) -> Any:
         err_rate += err_r
         for c in codes:
             err_by_code[c] = err_by_code.get(c, 0.0) + _rate(v.errors, p.errors if seen else None, dt, {c})  # type: ignore[union-attr]
+        if not v.probed:
+            live = Text("live, not probed", style="yellow")
+            reps.add_row(str(v.ready["replica"]), "–", live, "", "", "", "")
+            continue
         if not v.ok:
-            reps.add_row("?", v.url, Text("down", style="bold red"), "", "", "", "", end_section=False)
+            rid = str(v.ready.get("replica", "?"))
+            reps.add_row(rid, v.url, Text("down", style="bold red"), "", "", "", "", end_section=False)
             continue
         ready = v.ready.get("ready")
         state = Text("ready", style="green") if ready else Text("not ready", style="yellow")
@@ -206,7 +254,7 @@ def render(cur: Sample, prev: Sample | None) -> Any:
 
     head = Text.assemble(
         ("FlexLB ", "bold"),
-        f"{len(up)}/{len(cur.replicas)} replicas up · master {master or '—'} · ",
+        f"{len(up) + n_unprobed}/{len(cur.replicas)} replicas up{unprobed} · master {master or '—'} · ",
         (f"{req_rate:.1f} req/s", "bold"),
         " · ",
         (f"{err_rate:.1f} errors/s", "bold red" if err_rate else ""),

@@ -121,6 +121,15 @@ class Proc:
     def is_gateway(self) -> bool:
         return self.name.startswith("gateway")
 
+    def reap_group(self) -> None:
+        """SIGKILL what is left of this (exited) child's process group. A worker's Triton server
+        and its stubs get only SIGTERM when the worker dies (PyTriton's PR_SET_PDEATHSIG) and take
+        seconds to stop (Triton's `exit_timeout`), holding the worker's gRPC port meanwhile: a
+        restart on the same ports then failed to bind, and `flexlb up` stopped the whole stack.
+        Safe while any member lives: Linux does not hand out a pid still used as a group id."""
+        with contextlib.suppress(ProcessLookupError):  # nothing left of the group
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
     def tail(self, n: int = 15) -> str:
         with contextlib.suppress(OSError, ValueError):
             self.log.flush()

@@ -88,3 +88,34 @@ def test_status_once_fits_one_screen_and_says_what_needs_the_token(gateway: Gate
     assert res.exit_code == 0 and "no admin token" in res.output, res.output
     res = runner.invoke(app, ["status", "--once", "--url", "http://127.0.0.1:9", "--interval", "0.1"])
     assert res.exit_code == 1 and "down" in res.output
+
+
+def test_status_pointed_at_one_replica_counts_and_probes_the_whole_cluster(
+    workers_reset, shared_embedded_redis: str, cluster: str, tmp_path: Path
+) -> None:
+    """`flexlb status --url <one replica>` of a two-replica cluster said "1/1 replicas up": it
+    showed only the URLs it was given. Every replica knows the live members (by heartbeat) and
+    their addresses, so the frame must count both and, with the admin token, probe the other one
+    at its address; without the token it must still list it (live, not probed)."""
+    from .test_faults import start_two, wid
+
+    wids = [wid(workers_reset["prefill"][0]), wid(workers_reset["decode"][0])]
+    a, b = start_two(tmp_path, shared_embedded_redis, cluster, wids)
+    try:
+        wait_for(lambda: len(a.readyz().get("live_replicas", [])) == 2, 10, 0.1, what="a sees 2 live")
+        prev = asyncio.run(sample([a.url], ADMIN_TOKEN))
+        text = _frame(render(asyncio.run(sample([a.url], ADMIN_TOKEN)), prev))
+        assert "2/2 replicas up" in text, text
+        for g in (a, b):
+            row = rf"{g.replica_id}\s+127\.0\.0\.1:{g.port}\s+(not )?ready"
+            assert re.search(row, text), (g.replica_id, text)
+        text = _frame(render(asyncio.run(sample([a.url], None)), None))
+        assert "2/2 replicas up (1 by heartbeat only" in text, text
+        assert re.search(rf"{b.replica_id}\s+–\s+live, not probed", text), text
+        b.stop()  # gone from membership at once (graceful leave): one replica left, and truthfully
+        wait_for(lambda: len(a.readyz().get("live_replicas", [])) == 1, 15, 0.1, what="a sees 1 live")
+        text = _frame(render(asyncio.run(sample([a.url], ADMIN_TOKEN)), None))
+        assert "1/1 replicas up" in text and b.replica_id not in text, text
+    finally:
+        a.stop()
+        b.stop()

@@ -246,6 +246,10 @@ ERRORS: dict[tuple[str, str], list[int]] = {
     ("delete", "/admin/keys/{key_id}"): [401, 404, 500],
     ("put", "/admin/tenants/{tenant}/limits"): ADMIN_BODY,
 }
+# Every admin call reads Redis (its token check at least): Redis not answering is a 503
+# `state_unavailable` there too (app/gateway/errors.py), as it is on the client API.
+for _op in [op for op in ERRORS if op[1].startswith("/admin/")]:
+    ERRORS[_op] = sorted({*ERRORS[_op], 503})
 #: Success bodies: (JSON schema, streaming chunk schema or None).
 SUCCESS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("post", "/v1/completions"): ("Completion", "CompletionChunk"),

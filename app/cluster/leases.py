@@ -112,6 +112,9 @@ class LeaseManager:
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.ticks = 0
+        # Live member ids as the last tick read them (free for /readyz and `flexlb status`: a
+        # status pointed at one replica must still count the others, without a Redis call)
+        self.live: tuple[str, ...] = ()
         self.stepped_down = 0  # times this replica found itself no longer a member and let go
         self.loops = loops or LoopHealth()
 
@@ -160,6 +163,7 @@ class LeaseManager:
     async def _tick_locked(self) -> None:
         self._expire_lapsed()
         live, workers, master_val = await self._read_cluster()
+        self.live = tuple(live)
         me = self.replica_id
         is_live = me in live
         if not is_live and self.membership is not None and (self._owned or self.master.held):

@@ -68,6 +68,7 @@ class Registry:
                     self.keys.worker_info(s.id),
                     mapping={"role": s.role, "address": s.address, "state": "active"},
                 )
+                p.persist(self.keys.tombstones(s.id))  # back: its tombstones live by their scores again
             await p.execute()
         return [s.id for s in specs]
 
@@ -76,7 +77,36 @@ class Registry:
             p.srem(self.keys.workers, worker_id)
             p.hset(self.keys.worker_info(worker_id), "state", "removed")
             res = await p.execute()
+        if res[0]:
+            await self.forget_views(worker_id)
         return bool(res[0])
+
+    def view_keys(self, worker_id: str) -> list[str]:
+        """What the worker's owner publishes about it (snapshot, cache diffs and snapshot,
+        speculative entries, queued ms): read only while the worker is registered. Left after a
+        removal, they stayed for good (no TTL, no writer to trim them), and so did its tombstones
+        (purged only by the next commit to it): ~0.8 MB per removed prefill worker at the soak's
+        rates, so a cluster whose workers come and go under new addresses grew by that much per
+        departure (docs/state.md)."""
+        k = self.keys
+        snapshots = [k.snapshot(worker_id), k.cache_stream(worker_id), k.cache_snapshot(worker_id)]
+        return [*snapshots, k.spec_stream(worker_id), k.queued_ms(worker_id)]
+
+    async def forget_views(self, worker_id: str) -> int:
+        """Delete `view_keys` of a worker that is no longer registered (one slot: one DEL), and let
+        its tombstones expire with their last entry (they still refuse a late commit until then;
+        `add` makes them lasting again). The queue, ledger and reservations are not touched: what is
+        in flight there settles by itself. Run at removal, and again by the owner once its poller
+        stopped (`Ownership.on_lose`), which may have written once more in between. Returns the
+        keys deleted."""
+        tomb = self.keys.tombstones(worker_id)
+        async with self.redis.pipeline(transaction=False) as p:
+            p.delete(*self.view_keys(worker_id))
+            p.zrange(tomb, -1, -1, withscores=True)
+            deleted, last = await p.execute()
+        if last:
+            await self.redis.pexpireat(tomb, int(last[0][1]) + 1)
+        return int(deleted)
 
     async def drain(self, worker_id: str) -> bool:
         if not await self.redis.sismember(self.keys.workers, worker_id):

@@ -79,7 +79,12 @@ class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
         self.time_scale = time_scale
         self.on_worker_error = on_worker_error
         self.loops = loops or LoopHealth()
-        self.terminal = terminal or TerminalWrites(self.loops)
+        # `is None`, not `or`: an empty queue is falsy (it has a length), and `or` gave every owner
+        # a private queue whenever the replica's was empty, i.e. always: its reply + settle
+        # retries then escaped the replica's drain on stop, and a dispatcher dropped with its
+        # lease left that queue's task to be garbage-collected pending ("Task was destroyed but
+        # it is pending!", seen after a Redis restart in the soak).
+        self.terminal = terminal if terminal is not None else TerminalWrites(self.loops)
         # Periodic re-claim (XAUTOCLAIM) of pending entries idle this long that no task of ours is
         # handling: a dispatch whose reply could not be written, a read that died mid-way.
         self.reclaim_idle_ms = reclaim_idle_ms

@@ -153,10 +153,18 @@ async def leases(request: Request) -> dict[str, Any]:
     for wid in r.workers:
         lease = parse_lease(await r.redis.get(r.keys.owner_lease(wid)))
         owners[wid] = {"holder": lease[0], "fence": lease[1]} if lease else None
+    live = await r.membership.live_members()
+    pipe = r.redis.pipeline(transaction=False)
+    for rid in live:
+        pipe.hgetall(r.keys.member(rid))
+    details = await pipe.execute() if live else []
     return {
         "master": {"holder": master[0], "fence": master[1]} if master else None,
         "owners": owners,
-        "live_replicas": await r.membership.live_members(),
+        "live_replicas": live,
+        # where each live replica serves (its heartbeat's `member` hash): how `flexlb status`
+        # pointed at one replica finds the others
+        "replicas": {rid: {_s(k): _s(v) for k, v in d.items()} for rid, d in zip(live, details, strict=True)},
     }
 
 

@@ -123,6 +123,7 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
             },
             "owned": sorted(replica.leases.owned()),
             "master": replica.leases.is_master(),
+            "live_replicas": list(replica.leases.live),  # the cluster's, as the last lease tick read it
             "config_version": replica.config_version,  # runtime config version applied here
         }
         return JSONResponse(body, status_code=200 if ok else 503)

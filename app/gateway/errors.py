@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ReadOnlyError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app import metrics as M
@@ -167,6 +170,18 @@ def install_error_handlers(app: FastAPI) -> None:
         resp.status_code = exc.status_code
         resp.headers.update(headers)
         return resp
+
+    async def _redis_away(_: Request, exc: Exception) -> JSONResponse:
+        # Redis not answering now (refused, timed out, still loading its data after a restart,
+        # a Sentinel-demoted master): any read or write a handler makes on Redis, not only the
+        # request path's (which checks `redis_ok` first), is the typed, retryable 503 of DESIGN
+        # §6. It was a 500 "internal" with a traceback: `DELETE /v1/requests/{id}` during the
+        # soak's Redis restart. A script or argument error is still a 500 (a bug, not an outage).
+        log.warning("shared state unavailable: %r", exc)
+        return ApiError("state_unavailable", f"shared state unavailable: {exc}", retry_after_s=1).response()
+
+    for kind in (RedisConnectionError, RedisTimeoutError, ReadOnlyError):  # BusyLoading is a Connection
+        app.add_exception_handler(kind, _redis_away)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

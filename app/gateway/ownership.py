@@ -10,12 +10,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from app import metrics as M
 from app.cluster.health import HealthChange
 from app.cluster.leases import LeaseManager
 from app.cluster.loops import LoopHealth
 from app.cluster.poller import WorkerPoller
+from app.cluster.registry import Registry
 from app.config import Settings
 from app.dispatch.ledger import settle_old_epochs
 from app.dispatch.owner import OwnerDispatcher
@@ -151,6 +153,19 @@ class Ownership:
         d = self.dispatchers.pop(wid, None)
         if d is not None:
             await d.stop()
+        if p is not None:
+            await self._forget_if_removed(wid)
+
+    async def _forget_if_removed(self, wid: str) -> None:
+        """Deregistered (not a lease lost to a Redis blip): our poller may have published once
+        more after the removal deleted the worker's views; with it stopped, delete them again.
+        Leases are mostly lost because Redis is away, when this cannot run: the removal itself
+        deleted them, so only a poll that raced a removal during an outage is left (logged)."""
+        try:
+            if not await self.redis.sismember(self.keys.workers, wid):
+                await Registry(self.redis, self.keys).forget_views(wid)
+        except RedisError as exc:
+            log.info("views of %s not re-checked after losing its lease: %r", wid, exc)
 
     async def on_health(self, wid: str, change: HealthChange) -> None:
         M.WORKER_UP.labels(wid).set(1 if change.after == "up" else 0)
