@@ -98,6 +98,27 @@ class _Protocol(asyncio.Protocol):
         self.waiters: deque[_Waiter] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.outbox: list[bytes] = []  # pipelines encoded this loop turn, written together by `flush`
+
+    def queue(self, data: bytes) -> None:
+        """Write `data` with every other pipeline sent in this loop turn, in one `write` system
+        call at the start of the next turn (which polls for I/O without waiting, so nothing waits
+        on a timer). At 32 clients several requests reach a round trip in the same turn: 32
+        concurrent 4-command pipelines cost 12 µs of CPU each instead of 19 on the 2-core VM
+        (#20); one alone costs the same 26 µs. The order on the wire is the order of the calls,
+        as the waiters' is."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.outbox.append(data)
+
+    def flush(self) -> None:
+        data, self.outbox = self.outbox, []
+        if self.closed or self.transport is None:  # `fail` failed their waiters already
+            return
+        try:
+            self.transport.write(data[0] if len(data) == 1 else b"".join(data))
+        except (OSError, RuntimeError) as exc:  # a transport that broke under us: as a lost connection
+            self.fail(RedisConnectionError(f"write failed: {exc}"))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not subclasses
@@ -214,7 +235,7 @@ class RespConnection:
         assert proto.transport is not None
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         proto.waiters.append(_Waiter(fut, len(commands), on_replies))
-        proto.transport.write(encode(commands))
+        proto.queue(encode(commands))
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
