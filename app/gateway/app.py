@@ -63,12 +63,11 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
         # A young generation of 10,000 objects instead of 700 (#20). A request allocates thousands
         # of tracked objects and keeps its 1,000-id token lists alive across many collections of
         # 700, so each collection traversed the in-flight requests again and promoted them, and
-        # gen1/gen2 collections walked them once more: at 32 clients (timed with gc.callbacks)
-        # the collector took 1.07 s of a ~1,100-request run, ~1 ms a request; 0.24 s of ~1,700
-        # requests (0.14 ms) with 10,000.
-        # A collection traverses what is alive, which does not grow with the threshold: one took
-        # ~2 ms instead of ~0.8 (loaded box), 20 instead of 525, and gen1/gen2 1+1 instead of 48+5.
-        # Only cyclic garbage waits longer to be freed.
+        # gen1 collections walked them once more. At 32 clients (CPU timed with gc.callbacks, ~1,800
+        # requests) the young collections took 0.30 s, 0.17 ms a request; with 10,000 0.05 s (20
+        # collections instead of 690, each ~2 ms instead of ~0.3: a collection traverses what is
+        # alive, which does not grow with the threshold). Only cyclic garbage waits longer to be
+        # freed. Full collections stay as they were (up to 50-70 ms of CPU each, 1-6 a run).
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         log.info("replica %s serving at %s", replica.replica_id, replica.address)
         try:
