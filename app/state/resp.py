@@ -98,6 +98,32 @@ class _Protocol(asyncio.Protocol):
         self.waiters: deque[_Waiter] = deque()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.outbox: list[bytes] = []  # pipelines encoded this loop turn, written together by `flush`
+
+    def queue(self, data: bytes) -> None:
+        """Write `data` now when nothing else waits on this connection; else hold it, with every
+        other pipeline sent meanwhile, for one `write` at the start of the next loop turn (which
+        polls for I/O without waiting: no timer). At 32 clients several requests reach a round
+        trip together: 32 concurrent 4-command pipelines cost 12 µs of CPU each instead of 19 on
+        the 2-core VM (#20). A lone pipeline is written at once: held, it paid a loop turn more
+        (the sequential A/B's CPU per request went up). The order on the wire is the order of
+        the calls, as the waiters' is."""
+        if self.outbox:
+            self.outbox.append(data)
+        elif len(self.waiters) > 1:  # others in flight (the caller's waiter is already queued)
+            self.outbox.append(data)
+            asyncio.get_running_loop().call_soon(self.flush)
+        elif self.transport is not None:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        data, self.outbox = self.outbox, []
+        if self.closed or self.transport is None:  # `fail` failed their waiters already
+            return
+        try:
+            self.transport.write(data[0] if len(data) == 1 else b"".join(data))
+        except (OSError, RuntimeError) as exc:  # a transport that broke under us: as a lost connection
+            self.fail(RedisConnectionError(f"write failed: {exc}"))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not subclasses
@@ -214,7 +240,7 @@ class RespConnection:
         assert proto.transport is not None
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
         proto.waiters.append(_Waiter(fut, len(commands), on_replies))
-        proto.transport.write(encode(commands))
+        proto.queue(encode(commands))
         try:
             async with asyncio.timeout(self.timeout_s):
                 return await fut
