@@ -159,17 +159,3 @@ class OwnerIntake:
                 await self.loops.failed(name, exc)
                 continue
             self._admit_entries(entries)
-            if entries:
-                await self._dispatch_first()
-
-    @staticmethod
-    async def _dispatch_first() -> None:
-        """Let the entries just admitted go out before the next read does (issue 20): the decide
-        loop takes them (one turn) and the batch it released sends its commit (the next), and
-        only then is the next read's pipeline (the speculative records and the blocking read)
-        built and written, so neither its CPU here nor its commands in Redis come before the
-        commit. Two turns of the event loop, no wait: a decide loop busy elsewhere (answering
-        refusals, a lease in doubt) or a batcher that holds the entries for a window only sees
-        the read go out two turns later."""
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
