@@ -273,6 +273,7 @@ async def lg_e2e(
     dcs = [(WorkerClient(a), e) for a, e in decode]
     gw_ms: list[float] = []
     dir_ms: list[float] = []
+    gw_url: list[int] = []  # which of `urls` answered each of gw_ms (they alternate)
     gw_codes: Counter[str] = Counter()
     dir_codes: Counter[str] = Counter()
     try:
@@ -284,6 +285,7 @@ async def lg_e2e(
                 gw_codes[code] += 1
                 if code == "ok":
                     gw_ms.append((time.perf_counter() - t) * 1000)
+                    gw_url.append(i % len(urls))
                 ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.int32)
                 rid = f"direct-{seed}-{i}-{uuid.uuid4().hex[:6]}"
                 ms, code = await _direct_one(pcs[i % len(pcs)], dcs[i % len(dcs)], rid, ids, max_new)
@@ -296,6 +298,7 @@ async def lg_e2e(
                 await c.close()
     return {
         "gateway_ms": gw_ms,
+        "gateway_url": gw_url,
         "direct_ms": dir_ms,
         "gateway_codes": dict(gw_codes),
         "direct_codes": dict(dir_codes),

@@ -23,6 +23,13 @@ def e2e_latency(res: dict[str, Any]) -> dict[str, Any]:
         "direct_p99_ms": r3(pct(d, 99)),
         "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
         "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
+        # Per replica the requests were sent to (`gateway_url`: FlexLB's sequential phase): with 2
+        # replicas, 1P+1D, those sent to the prefill worker's owner hand off in process and the
+        # others cross replicas, so the pair splits the median by path (issue 20).
+        "added_p50_ms_by_url": [
+            r3(pct([x for x, u in zip(g, res["gateway_url"], strict=True) if u == k], 50) - pct(d, 50))
+            for k in sorted(set(res.get("gateway_url", [])))
+        ],
         "gateway_errors": errors_of(res["gateway_codes"]),
         "direct_errors": errors_of(res["direct_codes"]),
     }

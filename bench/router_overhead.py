@@ -217,6 +217,20 @@ def measure(b: Any, seed: int) -> dict[str, Any]:
     return {"e2e": e2e, "closed": closed, "loadavg": round(os.getloadavg()[0], 2)}
 
 
+def by_path(b: Any, ownership: dict[str, str], e2e: dict[str, Any]) -> dict[str, float]:
+    """FlexLB with 2 replicas: the added p50 of the requests sent to the prefill worker's owner
+    (`local`: the hand-off and reply in process) and of those sent to the other (`cross`)."""
+    per_url = e2e.get("added_p50_ms_by_url") or []
+    gws = getattr(b, "gws", [])
+    if len(per_url) < 2 or len(per_url) != len(gws):
+        return {}
+    prefill_owners = {o for w, o in ownership.items() if w.startswith("prefill")}
+    out: dict[str, float] = {}
+    for g, ms in zip(gws, per_url, strict=True):
+        out["local" if g.replica_id in prefill_owners else "cross"] = ms
+    return out
+
+
 # ---- the table ----------------------------------------------------------------------------------
 FIGURES = {
     "added_p50": "e2e.added_p50_ms",
@@ -324,6 +338,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"CPU {e['gateway_cpu_ms_per_req_net']} / {c['gateway_cpu_ms_per_req']} ms/req; "
                     f"{c['rps']} req/s at {a.clients} clients (load {run['loadavg']})"
                 )
+                paths = by_path(benches[s], doc["systems"][s].get("ownership", {}), e)
+                if paths:
+                    run["e2e"]["added_p50_ms_by_path"] = paths
+                    console.print(f"   added p50 by path: {paths}")
     except (Exception, KeyboardInterrupt) as exc:
         doc["error"] = f"{type(exc).__name__}: {exc}"
         console.print(f"[red]bench aborted: {doc['error']}")

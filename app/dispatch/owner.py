@@ -221,8 +221,11 @@ class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
         if d.wake_at_ms is not None:
             timeout = max(0.0, d.wake_at_ms - time.time() * 1000) / 1000
         self.wake.clear()
+        # `asyncio.timeout`, not `wait_for`: on 3.11 `wait_for` runs the wait as a task of its own,
+        # one more task hop between a hand-off's arrival and its dispatch (issue 20).
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), timeout if timeout is not None else 0.5)
+            async with asyncio.timeout(timeout if timeout is not None else 0.5):
+                await self.wake.wait()
 
     def _batch_done(self, t: asyncio.Task[None]) -> None:
         self._inflight.discard(t)

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from app.cluster.loops import LoopHealth
 from app.state.connect import redis_client
@@ -21,6 +21,11 @@ from app.state.text import to_str as s
 log = logging.getLogger("flexlb.origin")
 
 _CLOSE_ERRORS = (RedisError, OSError)
+
+
+def _stream_id(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
 
 
 class ReplyRouter:
@@ -36,6 +41,8 @@ class ReplyRouter:
         self._waiting: dict[str, asyncio.Future[dict[str, str]]] = {}
         self._early: dict[str, dict[str, str]] = {}  # arrived before anyone waited (bounded)
         self._task: asyncio.Task[None] | None = None
+        self._last = "0-0"  # the last entry id read (set by `start`)
+        self._delivered = 0  # entries the last lean read delivered (`_on_read`)
         #: Commands this inbox issued (its XREADs and XTRIMs): part of each request's Redis cost,
         #: added to the store's count in `flexlb_redis_commands_total` and `GET /admin/stats`.
         self.commands_total = 0
@@ -61,24 +68,45 @@ class ReplyRouter:
         self.loops.watch(self._task, "replies")
 
     async def _run(self, last: str) -> None:
+        self._last = last
         trimmed_at = 0.0
+        trim: str | None = None  # trim up to here, in front of the next read
         while True:
             try:
-                entries = await self._read(last)
+                n = await self._read(trim)
                 self.loops.ok("replies")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis away: the owners retry their replies meanwhile
                 await self.loops.failed("replies", exc)
                 continue
-            if entries and time.monotonic() - trimmed_at >= 1.0:
-                # Entries read are delivered (or parked in `_early`): trim them once a second so
-                # the stream stays near empty instead of growing to its MAXLEN cap.
+            trim = None
+            if n and time.monotonic() - trimmed_at >= 1.0:
+                # Entries read are delivered (or parked in `_early`) by now: trim them once a
+                # second so the stream stays near empty instead of growing to its MAXLEN cap.
+                # The XTRIM rides in front of the next read (one write, no round trip of its
+                # own): before, the loop awaited it before delivering what it had read, so one
+                # reply a second waited on it (the p99 of sequential requests), and a stop that
+                # cancelled the loop inside redis-py's XTRIM was swallowed there and hung.
                 trimmed_at = time.monotonic()
-                await self._trim(s(entries[-1][0]))
-            for entry_id, f in entries:
-                last = s(entry_id)
-                self.deliver({s(k): s(v) for k, v in f.items()})
+                trim = self._last
+
+    def _take(self, entries: list[tuple[Any, dict[Any, Any]]]) -> int:
+        """Deliver a read's entries and move the read position past them: called as the XREAD's
+        reply is parsed off the lean connection (`RespConnection.pipeline`'s `on_replies`), so
+        the waiting request resumes without a hop through this loop's task (issue 20). Advancing
+        here, not in `_run`, and skipping what it passed, keeps the entries of a read whose caller
+        timed out (delivered when its reply came, after the next read was sent from the old
+        position) from being delivered twice."""
+        n = 0
+        for entry_id, f in entries:
+            eid = s(entry_id)
+            if _stream_id(eid) <= _stream_id(self._last):  # a late read's, delivered already
+                continue
+            self._last = eid
+            self.deliver({s(k): s(v) for k, v in f.items()})
+            n += 1
+        return n
 
     def deliver(self, fields: dict[str, str]) -> None:
         """One reply to the request waiting for it (or parked until it waits): from the stream,
@@ -92,20 +120,32 @@ class ReplyRouter:
             while len(self._early) > 10_000:
                 self._early.pop(next(iter(self._early)))
 
-    async def _trim(self, upto: str) -> None:
-        self.commands_total += 1
-        try:
-            await self.redis.xtrim(self.key, minid=upto)
-        except RedisError as exc:  # the next trim catches up
-            log.debug("reply stream trim failed: %s", exc)
-
-    async def _read(self, last: str) -> list[tuple[Any, dict[Any, Any]]]:
-        self.commands_total += 1
+    async def _read(self, trim: str | None = None) -> int:
+        """One blocking XREAD from `_last`, after the trim up to ``trim`` when given; the number of
+        entries it delivered."""
+        read: list[Any] = ["XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", self.key, self._last]
         if self._lean is not None:
-            reply = await self._lean.call("XREAD", "COUNT", 256, "BLOCK", 1000, "STREAMS", self.key, last)
-            return stream_entries(reply)
-        res = await self.redis.xread({self.key: last}, count=256, block=1000)
-        return [(entry_id, f) for _stream, entries in res or [] for entry_id, f in entries]
+            cmds = [["XTRIM", self.key, "MINID", "~", trim], read] if trim else [read]
+            self.commands_total += len(cmds)
+            *trimmed, reply = await self._lean.pipeline(cmds, self._on_read)
+            if trimmed and isinstance(trimmed[0], ResponseError):  # the next trim catches up
+                log.debug("reply stream trim failed: %s", trimmed[0])
+            if isinstance(reply, ResponseError):
+                raise reply
+            return self._delivered
+        if trim:
+            self.commands_total += 1
+            try:
+                await self.redis.xtrim(self.key, minid=trim)
+            except RedisError as exc:  # the next trim catches up
+                log.debug("reply stream trim failed: %s", exc)
+        self.commands_total += 1
+        res = await self.redis.xread({self.key: self._last}, count=256, block=1000)
+        return self._take([(entry_id, f) for _stream, entries in res or [] for entry_id, f in entries])
+
+    def _on_read(self, replies: list[Any]) -> None:
+        reply = replies[-1]
+        self._delivered = 0 if isinstance(reply, ResponseError) else self._take(stream_entries(reply))
 
     async def stop(self) -> None:
         if self._task is not None:
