@@ -244,3 +244,36 @@ def test_a_killed_worker_fails_calls_in_flight_then_the_client_reconnects_and_si
         w.stop()
         if w2 is not None:
             w2.stop()
+
+
+async def test_a_stream_that_breaks_under_an_abandoned_call_ends_cleanly() -> None:
+    """A call past its deadline stays on its stream, abandoned, until its end; when the stream
+    then breaks (the worker's process goes away), its reader ends without an error: the abandoned
+    call has no caller to tell. It raised `AttributeError` there (seen in the schemathesis test,
+    whose made-up workers' polls time out). The hung worker is a real TCP listener on 127.0.0.1
+    that accepts the connection and never answers, then closes it."""
+    conns: list[asyncio.StreamWriter] = []
+
+    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    c = WorkerClient(f"127.0.0.1:{port}", mux=True)
+    try:
+        with pytest.raises(WorkerUnavailable) as exc:
+            await c.control({"op": "status"}, timeout=0.3)
+        assert exc.value.timed_out
+        (s,) = c._mux[W.CONTROL_MODEL]._live
+        assert list(s.waiting.values()) == [None]  # abandoned, in flight until the stream ends
+        server.close()
+        for w in conns:
+            w.transport.abort()
+        deadline = time.monotonic() + 30  # bounded: gRPC notices the closed connection
+        while not s.reader.done():
+            assert time.monotonic() < deadline, "the stream never ended after its connection closed"
+            await asyncio.sleep(0.02)
+        assert s.reader.exception() is None and s.broken and not s.waiting
+    finally:
+        await c.close()
+        await server.wait_closed()
