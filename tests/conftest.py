@@ -214,6 +214,30 @@ def redis_url(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("shared_embedded_redis")  # type: ignore[no-any-return]
 
 
+async def delete_prefix(r: Any, prefix: str) -> None:
+    """Every key under a test's own prefix (it shares a Redis with other tests)."""
+    keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=500)]
+    if keys:
+        await r.delete(*keys)
+
+
+@pytest.fixture
+async def store(redis_url: str) -> AsyncIterator[Any]:
+    """A `StateStore` on both Redis flavours, under a prefix of its own, emptied afterwards."""
+    import redis.asyncio as aioredis
+
+    from app.state.keys import Keys
+    from app.state.store import StateStore
+
+    r = aioredis.from_url(redis_url)
+    prefix = f"flexlb-test-{uuid.uuid4().hex[:12]}"
+    try:
+        yield StateStore(r, Keys(prefix), lifecycle_ttl_s=120)
+    finally:
+        await delete_prefix(r, prefix)
+        await r.aclose()
+
+
 @pytest.fixture
 def cluster() -> str:
     return f"t-{uuid.uuid4().hex[:8]}"

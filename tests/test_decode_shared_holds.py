@@ -10,17 +10,14 @@ Redis (checked against that model on random operations), and the simulator's ori
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.scheduling.reserve import SHARE_CHUNK_TOKENS, SharedBlockHolds, share_chunk_size, share_chunks
 from app.sim.cluster import ClusterSim
 from app.sim.config import SimConfig, batcher_config
-from app.state.keys import Keys
 from app.state.store import StateStore
 from app.traces.model import Trace, TraceRequest
 
@@ -50,20 +47,6 @@ def test_a_hold_names_one_chained_key_per_chunk() -> None:
     assert share_chunks(1024, keys[:3]) == (1024, keys[:3])
     assert share_chunks(64, keys[:7]) == (512, [])  # no whole chunk: nothing shared
     assert share_chunks(0, keys) == (0, [])
-
-
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[StateStore]:
-    r = aioredis.from_url(redis_url)
-    prefix = f"flexlb-test-{uuid.uuid4().hex[:12]}"
-    s = StateStore(r, Keys(prefix), lifecycle_ttl_s=120)
-    try:
-        yield s
-    finally:
-        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=500)]
-        if keys:
-            await r.delete(*keys)
-        await r.aclose()
 
 
 async def test_the_reserve_script_holds_a_shared_block_once(store: StateStore) -> None:

@@ -7,29 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import re
-import uuid
-from collections.abc import AsyncIterator
-
-import pytest
-import redis.asyncio as aioredis
 
 from app.state.keys import Keys
 from app.state.lifecycle import attempt_id, attempt_of, client_id, current_attempt, invites_retry
 from app.state.store import StateStore
-
-
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[StateStore]:
-    r = aioredis.from_url(redis_url)
-    prefix = f"flexlb-test-{uuid.uuid4().hex[:12]}"
-    s = StateStore(r, Keys(prefix), lifecycle_ttl_s=120)
-    try:
-        yield s
-    finally:
-        keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=500)]
-        if keys:
-            await r.delete(*keys)
-        await r.aclose()
 
 
 async def retry(store: StateStore, cid: str, n: int, state: str, origin: str = "rep-B") -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -20,6 +20,8 @@ from app.scheduling.commit import owed_ms
 from app.state.embedded_redis import EmbeddedRedis, start_embedded_redis
 from app.state.keys import Keys
 from app.state.store import TERMINAL, FencedOut, StateStore
+
+from .conftest import delete_prefix
 
 P = "prefill@127.0.0.1:9001"
 D = "decode@127.0.0.1:9101"
@@ -41,24 +43,6 @@ def redis_url(request: pytest.FixtureRequest) -> str:
             pytest.skip("FLEXLB_REDIS_URL not set")
         return url
     return request.getfixturevalue("embedded_redis").url
-
-
-async def _delete_prefix(r: aioredis.Redis, prefix: str) -> None:
-    keys = [k async for k in r.scan_iter(match=f"{prefix}:*", count=500)]
-    if keys:
-        await r.delete(*keys)
-
-
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[StateStore]:
-    r = aioredis.from_url(redis_url)
-    prefix = f"flexlb-test-{uuid.uuid4().hex[:12]}"
-    s = StateStore(r, Keys(prefix), lifecycle_ttl_s=120)
-    try:
-        yield s
-    finally:
-        await _delete_prefix(r, prefix)
-        await r.aclose()
 
 
 async def _own(store: StateStore, wid: str, holder: str = "A", fence: int = 1) -> None:
@@ -295,7 +279,7 @@ async def test_cluster_epoch_detects_empty_redis(store: StateStore) -> None:
     assert await store.ensure_cluster_epoch() == (epoch, False)
     await store.reserve(D, "r1", 1, 10)
     # "Redis came back empty" for this cluster: delete only this prefix's keys.
-    await _delete_prefix(store.redis, store.keys.prefix)
+    await delete_prefix(store.redis, store.keys.prefix)
     epoch2, created2 = await store.ensure_cluster_epoch()
     assert created2 and epoch2 != epoch
     assert await store.reserved_total(D) == 0
@@ -478,5 +462,5 @@ async def test_a_flushed_script_is_loaded_and_only_its_call_rerun(embedded_redis
         assert int(await r.get(marker)) == 1  # the INCR ran once, not again with the retry
         assert await store.reserved_total(D) == 0
     finally:
-        await _delete_prefix(r, store.keys.prefix)
+        await delete_prefix(r, store.keys.prefix)
         await r.aclose()
