@@ -80,6 +80,32 @@ def start_worker(role: str, tmp: Path, *args: str, timeout: float = 90.0) -> Wor
     raise RuntimeError(f"worker {role} did not start: {out.read()[-3000:]}")
 
 
+async def back_on_its_port(
+    role: str, tmp: Path, port: int, client: Any, old_epoch: str
+) -> tuple[WorkerProc, str]:
+    """A worker started again on `port` (a `--formula 1` worker, as the restart tests' own), and
+    its new epoch as `client` (a `WorkerClient` to that port) reads it once its channel has
+    reconnected (bounded: the channel's reconnect back-off)."""
+    from app.rpc.worker_client import WorkerUnavailable
+
+    w = await asyncio.to_thread(
+        start_worker, role, tmp, "--profile", "formula", "--formula", "1", "--grpc-port", str(port)
+    )
+    st = None
+    try:
+        for _ in range(100):
+            try:
+                st = await client.status(timeout=1)
+                break
+            except WorkerUnavailable:
+                await asyncio.sleep(0.1)
+        assert st is not None and st["epoch"] == w.epoch != old_epoch
+    except BaseException:
+        w.stop()  # the caller never gets it to stop
+        raise
+    return w, str(st["epoch"])
+
+
 @pytest.fixture(scope="session")
 def worker_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("workers")

@@ -22,7 +22,7 @@ from app.rpc.tensors import bytes_tensor, inp
 from app.rpc.worker_client import DecodeEvent, WorkerClient, WorkerUnavailable
 from workers.engine.tokens import output_tokens
 
-from .conftest import start_worker
+from .conftest import back_on_its_port, start_worker
 from .test_worker_triton import collect_decode, uid
 
 
@@ -204,26 +204,7 @@ def test_a_killed_decode_worker_fails_its_decode_and_a_stopping_one_is_not_held(
             with pytest.raises(WorkerUnavailable):
                 await asyncio.wait_for(call, 5)
             assert time.monotonic() - t0 < 1.0
-            w2 = await asyncio.to_thread(
-                start_worker,
-                "decode",
-                worker_tmp,
-                "--profile",
-                "formula",
-                "--formula",
-                "1",
-                "--grpc-port",
-                str(port),
-            )
-            st = None
-            for _ in range(100):  # bounded: the channel's reconnect back-off
-                try:
-                    st = await c.status(timeout=1)
-                    break
-                except WorkerUnavailable:
-                    await asyncio.sleep(0.1)
-            assert st is not None and st["epoch"] == w2.epoch != epoch
-            e2 = st["epoch"]
+            w2, e2 = await back_on_its_port("decode", worker_tmp, port, c, epoch)
             rids = ["a-" + uid(), "b-" + uid()]  # two streams in the pool
             runs = await asyncio.gather(*(collect_decode(c, rid, e2, 100, 5) for rid in rids))
             assert [tokens_of(evs) for evs in runs] == [output_tokens(0, rid, 1, 5) for rid in rids]

@@ -19,7 +19,7 @@ from app.rpc import mux_stream
 from app.rpc.tensors import bytes_tensor, inp
 from app.rpc.worker_client import WorkerClient, WorkerUnavailable
 
-from .conftest import start_worker
+from .conftest import back_on_its_port, start_worker
 from .test_worker_triton import collect_prefill, prompt, uid
 
 
@@ -190,26 +190,7 @@ def test_a_killed_worker_fails_calls_in_flight_then_the_client_reconnects_and_si
                 with pytest.raises(WorkerUnavailable):
                     await asyncio.wait_for(t, 5)
             assert time.monotonic() - t0 < 1.0
-            w2 = await asyncio.to_thread(
-                start_worker,
-                "prefill",
-                worker_tmp,
-                "--profile",
-                "formula",
-                "--formula",
-                "1",
-                "--grpc-port",
-                str(port),
-            )
-            st = None
-            for _ in range(100):  # bounded: the channel's reconnect back-off
-                try:
-                    st = await c.status(timeout=1)
-                    break
-                except WorkerUnavailable:
-                    await asyncio.sleep(0.1)
-            assert st is not None and st["epoch"] == w2.epoch != epoch
-            e2 = st["epoch"]
+            w2, e2 = await back_on_its_port("prefill", worker_tmp, port, c, epoch)
             evs = await collect_prefill(c, "after-" + uid(), e2, [("a-" + uid(), prompt(9, 64))])
             assert [r["status"] for ev in evs for r in ev.results] == ["ok"]
 
