@@ -11,6 +11,7 @@ measured here before the fix: 20.0 s, the deadline, with the old Triton server h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from app.protocol import worker_api as W
+from app.rpc import mux_stream
 from app.rpc.worker_client import DecodeEvent, WorkerClient, WorkerUnavailable
 
 from .conftest import start_worker
@@ -71,7 +74,44 @@ def test_decodes_in_flight_fail_fast_when_the_worker_process_alone_is_killed(wor
 
 def _reap(pgid: int) -> None:
     """SIGKILL what is left of the worker's group (its Triton server and stubs): test cleanup."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+
+
+def test_a_broken_shared_stream_fails_its_calls_past_an_abandoned_one(
+    worker_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared control stream carrying an abandoned call (its caller cancelled: the entry stays,
+    empty, until the call's end) and a live one breaks when the worker is killed: the live call
+    fails at once. Before, the stream's failure stopped at the abandoned entry (AttributeError in
+    its reader), so the calls after it waited for their deadline, or for ever without one."""
+    monkeypatch.setattr(mux_stream, "MAX_AGE_S", 60.0)  # both calls must land on one stream
+    monkeypatch.setattr(mux_stream, "IDLE_S", 60.0)
+    w = start_worker("prefill", worker_tmp, "--profile", "formula", "--formula", "1", "--allow-faults")
+
+    async def run() -> None:
+        c = WorkerClient(w.address, mux=True)
+        try:
+            assert (await c.configure(faults={"hang": True}))["ok"]  # status calls now never answer
+            mux = c._mux[W.CONTROL_MODEL]
+            (s,) = [x for x in mux._live if x.open]
+            abandoned = asyncio.create_task(c.status(timeout=None))
+            await until(lambda: len(s.waiting) == 1, 5, "the first call on the stream")
+            abandoned.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await abandoned
+            assert list(s.waiting.values()) == [None]  # abandoned, still in flight
+            live = asyncio.create_task(c.status(timeout=None))
+            await until(lambda: len(s.waiting) == 2, 5, "the second call on the same stream")
+            t0 = time.monotonic()
+            w.kill_hard()
+            with pytest.raises(WorkerUnavailable):
+                await asyncio.wait_for(live, 10)
+            assert time.monotonic() - t0 < FAIL_FAST_S
+        finally:
+            await c.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        w.kill_hard() if w.proc.poll() is None else None

@@ -124,7 +124,8 @@ class _Stream:
         for t in self.timers:
             t.cancel()
         for q in self.waiting.values():
-            q.put_nowait(_Broken(reason))
+            if q is not None:  # None: an abandoned call, nobody to tell
+                q.put_nowait(_Broken(reason))
         self.waiting.clear()
         self._outbox.put_nowait(None)  # the writer stops (its writes would fail anyway)
 
