@@ -46,6 +46,7 @@ from workers.server.leftovers import (
     our_processes,
     remove_stale_roots,
 )
+from workers.server.reaper import Reaper
 
 log = logging.getLogger("flexlb.worker.triton")
 
@@ -162,6 +163,7 @@ class TritonHost:
         self._start_thread: threading.Thread | None = None
         self._run_returned = threading.Event()
         self._released = threading.Event()
+        self._reaper = Reaper()
 
         _size_python_backend_shm()
         security = TritonSecurityConfig(
@@ -258,6 +260,8 @@ class TritonHost:
                 raise RuntimeError("start() called twice")
             self._started = True
         fix_libpython_path()  # in case someone rewrote LD_LIBRARY_PATH since __init__
+        # Before tritonserver exists: should this process die, the server dies with it (reaper.py).
+        self._reaper.start(f"{self.root}/")
         t0 = time.perf_counter()
         done = self._run_returned
         errors: list[BaseException] = []
@@ -343,6 +347,7 @@ class TritonHost:
         except Exception:
             log.exception("PyTriton stop failed; sweeping leftovers anyway")
         finally:
+            self._reaper.stop()  # first: the sweep would take it for a leftover (its argv names the root)
             self._sweep_leftovers()
             shutil.rmtree(self.root, ignore_errors=True)
             self._released.set()
