@@ -448,6 +448,16 @@ def _per_worker() -> tuple[Any, ...]:
     )
 
 
+REQUEST_ID_REUSED = Counter(
+    "flexlb_request_id_reused_total",
+    "Client request ids sent again after their request ended: a new attempt (retry) or the stored "
+    "outcome (replay)",
+    ["result"],
+    registry=REGISTRY,
+)
+for _result in ("retry", "replay"):
+    REQUEST_ID_REUSED.labels(result=_result)
+
 DECODE_RESERVE_RETRIES = Counter(
     "flexlb_decode_reserve_retries_total",
     "Decode reservations retried on another worker after the first choice refused (stale snapshot)",

@@ -141,6 +141,13 @@ def overview() -> dict:
                 unit="reqps",
             ),
             ts(
+                "Request ids sent again",
+                (rate("flexlb_request_id_reused_total", "result"), "{{result}}"),
+                unit="reqps",
+                description="A client's retry under the id of an ended request: retry = a new attempt "
+                "(the stored outcome invited it), replay = the stored outcome",
+            ),
+            ts(
                 "Rejections by reason",
                 (rate("flexlb_rejections_total", "reason"), "{{reason}}"),
                 unit="reqps",

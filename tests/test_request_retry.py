@@ -26,7 +26,7 @@ import redis
 from app.state.keys import Keys
 
 from .conftest import worker_call
-from .gateways import Gateway, specs, start_gateway, wait_for
+from .gateways import Gateway, metric_value, specs, start_gateway, wait_for
 
 TERMINAL = {"completed", "failed", "cancelled", "timed_out", "owner_lost"}
 
@@ -54,6 +54,9 @@ def pair(worker_pool, shared_embedded_redis, tmp_path_factory) -> Iterator[Pair]
         a.stop()
         b.stop()
         r.close()
+
+
+REUSED = "flexlb_request_id_reused_total"
 
 
 def uid(tag: str) -> str:
@@ -153,8 +156,10 @@ def test_a_retryable_failure_retried_with_the_same_id_runs_again_and_completes(
         tombs = [p for p in pair.wids("prefill") if pair.r.zscore(pair.keys.tombstones(p), rid) is not None]
         assert tombs, "attempt 1 left no tombstone"
     reset(pair)  # the fault is gone: what a proxy's retry a moment later meets
+    retried = metric_value(pair.b, REUSED, result="retry")
     second = gen(pair.b, rid)  # the retry lands on the other replica, as a proxy's may
     assert second.status_code == 200, second.text
+    assert metric_value(pair.b, REUSED, result="retry") == retried + 1
     out = second.json()
     assert out["request_id"] == rid and len(out["output_ids"]) == 6 and out["finish_reason"] == "length"
     rec = record(pair.a, rid)
@@ -205,8 +210,10 @@ def test_a_completed_request_retried_is_replayed_byte_for_byte_and_runs_nothing(
     first = gen(pair.a, rid)
     assert first.status_code == 200, first.text
     for gw in (pair.a, pair.b):
+        replayed = metric_value(gw, REUSED, result="replay")
         again = gen(gw, rid, prompt="a different prompt", max_new_tokens=3)
         assert again.status_code == 200 and again.content == first.content
+        assert metric_value(gw, REUSED, result="replay") == replayed + 1
     rec = record(pair.b, rid)
     assert rec["state"] == "completed" and "attempt" not in rec
     assert_nothing_held(pair, rid)

@@ -71,6 +71,7 @@ class RecordStage(RequestContext):
         if cur is None or cur.get("state") not in TERMINAL:
             raise ApiError("duplicate_request", f"request {public_id(cid)!r} is still running")
         if not invites_retry(cur):
+            M.REQUEST_ID_REUSED.labels(result="replay").inc()
             raise StoredOutcome(cur.get("outcome") or {"state": cur.get("state")})
         rid = attempt_id(cid, n + 1)
         self._rekey(cid, rid)  # before the live-set entry exists: our own sweep must see it running
@@ -93,6 +94,7 @@ class RecordStage(RequestContext):
                 await self.store.release(dec, rid)
             await self.redis.srem(self.keys.origin_requests(self.replica_id), rid)
             raise ApiError("duplicate_request", f"request {public_id(cid)!r} is still running")
+        M.REQUEST_ID_REUSED.labels(result="retry").inc()
         return held
 
     def _rekey(self, old: str, new: str) -> None:
