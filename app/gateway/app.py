@@ -69,7 +69,7 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
         # alive, which does not grow with the threshold). Only cyclic garbage waits longer to be
         # freed. The 40-64 ms full collections seen in the bench are start-up ones, before this
         # freeze and before uvicorn serves; under load a full one walks the in-flight requests
-        # (~15-19K objects, 5-8 ms of CPU) and is rare: none in a 60 s 32-client loop
+        # (~15-19K objects, 5-8 ms of CPU) and is rare: none in a 240 s 32-client loop
         # (docs/benchmarks.md, Request path profile (#20), fifth pass).
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         log.info("replica %s serving at %s", replica.replica_id, replica.address)
