@@ -67,7 +67,10 @@ def create_app(settings: Settings, redis_url: str, seed_workers: list[WorkerSpec
         # requests) the young collections took 0.30 s, 0.17 ms a request; with 10,000 0.05 s (20
         # collections instead of 690, each ~2 ms instead of ~0.3: a collection traverses what is
         # alive, which does not grow with the threshold). Only cyclic garbage waits longer to be
-        # freed. Full collections stay as they were (up to 50-70 ms of CPU each, 1-6 a run).
+        # freed. The 40-64 ms full collections seen in the bench are start-up ones, before this
+        # freeze and before uvicorn serves; under load a full one walks the in-flight requests
+        # (~15-19K objects, 5-8 ms of CPU) and is rare: none in a 240 s 32-client loop
+        # (docs/benchmarks.md, Request path profile (#20), fifth pass).
         gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
         log.info("replica %s serving at %s", replica.replica_id, replica.address)
         try:
