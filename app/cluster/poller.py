@@ -188,8 +188,13 @@ class WorkerPoller:
                 await self.on_status(self.wid, st)
             except Exception as exc:  # an audit failure is not a worker failure
                 log.warning("status hook for %s failed: %s", self.wid, exc)
+        # When the loads were read (before the read: a hand-off that raced it counts as newer,
+        # which over-counts one request rather than under-counts it): the replicas' views date
+        # the snapshot by this, not by when they read it (app/gateway/views.py).
+        loads_ms = time.time() * 1000
         owed, queued, reserved, batches = await self._load(float(st.get("time_scale", 1.0)))
         fields = {
+            "loads_ms": round(loads_ms, 1),
             "owed_ms": round(owed, 3),
             "queued_ms": round(queued, 3),
             "reserved_tokens": reserved,

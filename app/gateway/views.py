@@ -22,6 +22,19 @@ from app.state.text import to_str as _s
 __all__ = ["WorkerViews"]
 
 
+def content_time(snap: dict[str, str], read_at: float) -> float:
+    """When a snapshot's loads (queued and owed ms) were true: when its owner read them
+    (`loads_ms`, the owner's wall clock), else when we read it. An origin's own hand-off made
+    after that moment is not in the snapshot, so its overlay must still win (`current_loads`).
+    Dated by our read instead, every hand-off between the owner's read and ours was dropped from
+    the view: under load (polls, publication and our read each late) a burst was admitted against
+    a backlog missing its latest requests, and ran past its deadline (test_overload_live's burst:
+    7 admitted where 6 fit, in a CI run at load 9). An owner clock ahead of ours falls back to
+    our read; one behind keeps our overlays a little longer, which over-counts, never under."""
+    owner = float(snap.get("loads_ms", 0.0) or 0.0) / 1000.0
+    return owner if 0.0 < owner < read_at else read_at
+
+
 class WorkerViews:
     def __init__(
         self,
@@ -92,7 +105,7 @@ class WorkerViews:
         }
         now = time.time()
         for wid in ids:
-            self.snapshot_time[wid] = now
+            self.snapshot_time[wid] = content_time(self.snapshots[wid], now)
         for wid, snap in self.snapshots.items():
             M.export_worker_snapshot(wid, snap, self._mirror.size(wid))
 
