@@ -53,15 +53,8 @@ def test_a_request_status_or_cancel_while_redis_is_away_is_a_typed_retryable_503
     ConnectionError / BusyLoadingError out of the handler: a 500 `internal` and an "unhandled
     error" traceback in the log. Redis not answering is DESIGN §6's 503 `state_unavailable`,
     retryable, with `Retry-After`, on every endpoint that reads it. A real redis-server, killed."""
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("needs redis-server on PATH")
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    server = subprocess.Popen([*args, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    server, url = _own_redis(tmp_path)
     try:
-        wait_for(lambda: _pings(url), 10, what="redis-server up")
         gw = start_gateway(tmp_path, url, f"t-away-{uuid.uuid4().hex[:6]}")
         try:
             assert gw.get("/v1/requests/some-id").status_code == 404  # Redis answers: not found
@@ -79,6 +72,23 @@ def test_a_request_status_or_cancel_while_redis_is_away_is_a_typed_retryable_503
         if server.poll() is None:
             server.kill()
             server.wait(5)
+
+
+def _own_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A redis-server of the test's own (it is killed mid-test), up, and its URL."""
+    binary = find_redis_server()
+    if binary is None:
+        pytest.skip("needs redis-server on PATH")
+    port = free_port()
+    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    server = subprocess.Popen([*args, "--dir", str(tmp)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        wait_for(lambda: _pings(url), 10, what="redis-server up")
+    except BaseException:
+        server.kill()
+        raise
+    return server, url
 
 
 def _pings(url: str) -> bool:
@@ -137,15 +147,8 @@ def test_owners_losing_their_leases_to_a_redis_outage_stop_cleanly(
     traceback per worker, seen in the soak's Redis restart). A real redis-server, killed."""
     from .test_faults import wid
 
-    binary = find_redis_server()
-    if binary is None:
-        pytest.skip("needs redis-server on PATH")
-    port = free_port()
-    args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    server = subprocess.Popen([*args, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    server, url = _own_redis(tmp_path)
     try:
-        wait_for(lambda: _pings(url), 10, what="redis-server up")
         specs = f"{wid(workers_reset['prefill'][0])},{wid(workers_reset['decode'][0])}"
         gw = start_gateway(tmp_path, url, f"t-lose-{uuid.uuid4().hex[:6]}", specs)
         try:
