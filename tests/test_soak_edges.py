@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -53,8 +55,7 @@ def test_a_request_status_or_cancel_while_redis_is_away_is_a_typed_retryable_503
     ConnectionError / BusyLoadingError out of the handler: a 500 `internal` and an "unhandled
     error" traceback in the log. Redis not answering is DESIGN §6's 503 `state_unavailable`,
     retryable, with `Retry-After`, on every endpoint that reads it. A real redis-server, killed."""
-    server, url = _own_redis(tmp_path)
-    try:
+    with _own_redis(tmp_path) as (server, url):
         gw = start_gateway(tmp_path, url, f"t-away-{uuid.uuid4().hex[:6]}")
         try:
             assert gw.get("/v1/requests/some-id").status_code == 404  # Redis answers: not found
@@ -68,14 +69,12 @@ def test_a_request_status_or_cancel_while_redis_is_away_is_a_typed_retryable_503
             assert "unhandled error" not in gw.log()
         finally:
             gw.stop()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(5)
 
 
-def _own_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """A redis-server of the test's own (it is killed mid-test), up, and its URL."""
+@contextmanager
+def _own_redis(tmp: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A redis-server of the test's own (the test kills it), up, and its URL; killed at the end
+    if it still runs. Skipped without the binary, as every test needing redis-server is."""
     binary = find_redis_server()
     if binary is None:
         pytest.skip("needs redis-server on PATH")
@@ -85,10 +84,11 @@ def _own_redis(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     url = f"redis://127.0.0.1:{port}/0"
     try:
         wait_for(lambda: _pings(url), 10, what="redis-server up")
-    except BaseException:
-        server.kill()
-        raise
-    return server, url
+        yield server, url
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(5)
 
 
 def _pings(url: str) -> bool:
@@ -147,8 +147,7 @@ def test_owners_losing_their_leases_to_a_redis_outage_stop_cleanly(
     traceback per worker, seen in the soak's Redis restart). A real redis-server, killed."""
     from .test_faults import wid
 
-    server, url = _own_redis(tmp_path)
-    try:
+    with _own_redis(tmp_path) as (server, url):
         specs = f"{wid(workers_reset['prefill'][0])},{wid(workers_reset['decode'][0])}"
         gw = start_gateway(tmp_path, url, f"t-lose-{uuid.uuid4().hex[:6]}", specs)
         try:
@@ -161,7 +160,3 @@ def test_owners_losing_their_leases_to_a_redis_outage_stop_cleanly(
             assert "lease hook on_lose" not in gw.log(), gw.log()[-3000:]
         finally:
             gw.stop()
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(5)
