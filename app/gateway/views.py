@@ -15,6 +15,7 @@ from app import metrics as M
 from app.cache.mirror import CacheMirror
 from app.cluster.registry import Registry
 from app.rpc.worker_client import WorkerClient
+from app.scheduling.in_flight import HandoffsInFlight
 from app.state.keys import Keys
 from app.state.retry import TRANSIENT
 from app.state.text import to_str as _s
@@ -57,6 +58,7 @@ class WorkerViews:
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.snapshot_time: dict[str, float] = {}  # wall s each snapshot was read
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
+        self.in_flight = HandoffsInFlight()  # hand-offs sent whose answer is not in the overlay yet
         self.clients: dict[str, WorkerClient] = {}
 
     def prefill_ids(self) -> list[str]:

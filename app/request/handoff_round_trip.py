@@ -224,7 +224,7 @@ class HandoffRoundTrip(RequestContext):
         ]
 
     def _take_pick(
-        self, p: Progress, wid: str, base: float, predicted: float, args: PairArgs, picked: Picked
+        self, p: Progress, wid: str, predicted: float, args: PairArgs, picked: Picked
     ) -> tuple[str, float, int]:
         """What `HANDOFF_PICK` read and chose, taken in: both workers' live load on this origin's
         overlays, and the request's worker, prediction and hit from the winner's choice."""

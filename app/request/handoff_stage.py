@@ -23,13 +23,6 @@ from app.state.handoff import NOT_IDLE, pack_keys, pack_tokens
 class HandoffStage(RequestContext):
     """A stage of `Pipeline` (app/request/pipeline.py), which composes them over one replica."""
 
-    def _queued_base(self, wid: str) -> float:
-        """``wid``'s queued ms as this origin counts it: its overlay while newer than the snapshot."""
-        ov = self.fleet.queued_overlay.get(wid)
-        if ov is not None and ov[1] >= self.fleet.snapshot_time.get(wid, 0.0):
-            return ov[0]
-        return float(self.fleet.snapshots.get(wid, {}).get("queued_ms", 0.0) or 0.0)
-
     def _meta(
         self, req: GenRequest, p: Progress, wid: str, predicted: float, hit_tokens: int, attempt: int
     ) -> dict[str, Any]:
@@ -92,51 +85,57 @@ class HandoffStage(RequestContext):
         space = namespace_seed(self.settings.model, self.tokenizer.name, bs)
         packed_keys = pack_keys(space, keys)
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
-        # Counted on our overlay before the round trip: requests routed meanwhile on this replica
-        # (a burst) see it, rather than all ranking and admitting against the same queue.
-        base = self._queued_base(wid)
-        self.fleet.queued_overlay[wid] = (base + predicted, time.time())
         held = -1
         idle_eps = IDLE_EPS_MS if admitted is not None and admitted.require_idle else None
         fresh = p.stage == "new"
         moved = False  # the fresh pick sent the request to the policy's runner-up
-        if fresh:  # a fresh id: record, reserve and hand off in one round trip
-            args = None
-            if pair is not None and pair.first.worker_id == wid:
-                alt = pair.alt
-                alt_pred = round(alt.predicted_ms, 3)
-                alt_meta = self._meta(req, p, alt.worker_id, alt_pred, alt.hit_tokens, attempt)
-                args = PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred)
-            try:
-                entry, queued, owed, held, picked = await self._record_and_append(
-                    req, p, wid, meta, predicted, args, packed_keys, idle_eps
-                )
-            except ApiError:  # refused by the tenant's limit: nothing was queued
-                self.replies.forget(rid)
-                self.fleet.queued_overlay[wid] = (base, time.time())
-                raise
-            except BaseException:
-                if args is not None:  # the script may have chosen the runner-up: it must not run
-                    other = args.pair.alt.worker_id
-                    await self.terminal.run_or_queue(
-                        f"tombstone {rid}", lambda: self.store.tombstone(other, rid, 60_000)
+        # Counted in flight until the round trip answers: requests routed meanwhile on this replica
+        # (a burst) see it rather than all ranking and admitting against the same queue, and an
+        # earlier hand-off's answer, which cannot include it, does not erase it from our view.
+        sent_to = wid
+        token = self.fleet.in_flight.sent(sent_to, predicted)
+        try:
+            if fresh:  # a fresh id: record, reserve and hand off in one round trip
+                args = None
+                if pair is not None and pair.first.worker_id == wid:
+                    alt = pair.alt
+                    alt_pred = round(alt.predicted_ms, 3)
+                    alt_meta = self._meta(req, p, alt.worker_id, alt_pred, alt.hit_tokens, attempt)
+                    args = PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred)
+                try:
+                    entry, queued, owed, held, picked = await self._record_and_append(
+                        req, p, wid, meta, predicted, args, packed_keys, idle_eps
                     )
-                raise
-            if picked is not None and args is not None:
-                moved = picked.index != 0
-                wid, predicted, hit_tokens = self._take_pick(p, wid, base, predicted, args, picked)
-        else:
-            entry, queued, owed = await self.handoff.append(
-                wid,
-                meta,
-                p.packed or pack_tokens(req.input_ids),
-                predicted,
-                self.settings.max_queue_len,
-                self._scale(wid),
-                packed_keys,
-                idle_eps,
-            )
-        self.owed_overlay[wid] = (owed, time.time())
+                except ApiError:  # refused by the tenant's limit: nothing was queued
+                    self.replies.forget(rid)
+                    raise
+                except BaseException:
+                    if args is not None:  # the script may have chosen the runner-up: it must not run
+                        other = args.pair.alt.worker_id
+                        await self.terminal.run_or_queue(
+                            f"tombstone {rid}", lambda: self.store.tombstone(other, rid, 60_000)
+                        )
+                    raise
+                if picked is not None and args is not None:
+                    moved = picked.index != 0
+                    wid, predicted, hit_tokens = self._take_pick(p, wid, predicted, args, picked)
+            else:
+                entry, queued, owed = await self.handoff.append(
+                    wid,
+                    meta,
+                    p.packed or pack_tokens(req.input_ids),
+                    predicted,
+                    self.settings.max_queue_len,
+                    self._scale(wid),
+                    packed_keys,
+                    idle_eps,
+                )
+        finally:
+            # the answer (or the failure) stands for it from here: no await since the script's reply
+            self.fleet.in_flight.answered(sent_to, token)
+        now = time.time()
+        self.fleet.queued_overlay[wid] = (queued, now)  # the live queue, with this hand-off if taken
+        self.owed_overlay[wid] = (owed, now)
         if entry == NOT_IDLE and admitted is not None:
             self._not_idle(req, p, wid, queued, owed, admitted, fresh)
         if entry is None:
@@ -163,7 +162,6 @@ class HandoffStage(RequestContext):
         M.SAMPLES["origin_overhead_s"].add(overhead)
         if fresh:  # logged after the clock stops: a log line is I/O, not scheduling
             self._log("queued", req, p)
-        self.fleet.queued_overlay[wid] = (queued, time.time())
         n_cap = hit_blocks_cap(len(req.input_ids), bs)
         self.mirror.add_speculative(wid, keys[: max(n_cap, 0) + 1], time.time() * 1000)
         self.wake_owner(wid)

@@ -205,6 +205,7 @@ class RoutingInputs(RequestContext):
                 self.owed_overlay.get(wid) if prefill else None,
                 now,
                 1000.0 / float(snap.get("time_scale", 1.0) or 1.0),
+                self.fleet.in_flight.ms(wid) if prefill else 0.0,
             )
             if queued != view.queued_ms or owed != view.owed_ms:
                 view = replace(view, queued_ms=queued, owed_ms=owed)

@@ -281,6 +281,7 @@ def current_loads(
     fresh_owed: tuple[float, float] | None = None,
     now: float = 0.0,
     ms_per_unit: float = 1.0,
+    in_flight_ms: float = 0.0,
 ) -> tuple[float, float]:
     """A prefill worker's (queued ms, owed ms) as this origin should rank it: the snapshot's values,
     with the queued time replaced by this origin's own latest hand-off answer (``overlay``: queued
@@ -293,9 +294,14 @@ def current_loads(
 
     ``fresh_owed`` (owed ms, when): the ledger's owed time as this origin's latest hand-off read it
     in its round trip; when not older than the snapshot it replaces the snapshot's owed time, aged
-    since (``now`` − when, × ``ms_per_unit`` modelled ms per unit of that clock)."""
+    since (``now`` − when, × ``ms_per_unit`` modelled ms per unit of that clock).
+
+    ``in_flight_ms``: this origin's hand-offs to the worker whose round trip has not answered yet
+    (app/scheduling/in_flight.py), in neither the snapshot nor the overlay; 0 in the simulator,
+    whose hand-off script answers at once."""
     if overlay is not None and overlay[1] >= snapshot_time:
         queued_ms = overlay[0]
+    queued_ms += in_flight_ms
     if finished:
         owed_ms = owed_less_finished(owed_ms, snap_now_ms, finished, stale_before)
     if fresh_owed is not None and fresh_owed[1] >= snapshot_time:
