@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 from app.cluster.registry import parse_worker
 from app.config import Settings
 from app.gateway.replica import Replica
 from app.request.types import GenRequest
 from app.scheduling.in_flight import HandoffsInFlight
-from app.scheduling.routing import current_loads
+from app.scheduling.routing import current_loads, overlay_less_prefilled
+
+from .conftest import running_on
 
 
 def test_a_token_counts_until_answered_and_answering_is_idempotent() -> None:
@@ -54,10 +57,7 @@ async def test_the_answer_to_an_earlier_hand_off_does_not_erase_a_later_one(
     rep = Replica(settings, shared_embedded_redis, [parse_worker(pw), parse_worker(f"decode@{daddr}")])
     await rep.start()
     try:
-        deadline = time.monotonic() + 60
-        while not (rep.worker_up(pw) and rep.worker_up(f"decode@{daddr}") and pw in rep.leases.owned()):
-            assert time.monotonic() < deadline, "the replica never owned an up prefill worker"
-            await asyncio.sleep(0.05)
+        await _owned_and_up(rep, pw, f"decode@{daddr}")
         pipe = rep.pipeline
         seen: list[tuple[float, int]] = []
 
@@ -79,3 +79,65 @@ async def test_the_answer_to_an_earlier_hand_off_does_not_erase_a_later_one(
         assert rep.views.in_flight.count(pw) == 0  # nothing left once both answered
     finally:
         await rep.stop(drain=False)
+
+
+def test_a_finished_prefill_comes_off_only_its_own_answer() -> None:
+    own = (600.0, 5.0)
+    assert overlay_less_prefilled(own, "a", "a", 600.0) == (0.0, 5.0)
+    # a later answer (b's) may have been read after the owner took a into a batch: kept
+    assert overlay_less_prefilled(own, "b", "a", 600.0) == own
+    assert overlay_less_prefilled(None, "a", "a", 600.0) is None
+
+
+async def test_a_prefill_that_finishes_after_a_later_answer_is_not_taken_off_it(
+    clients, worker_pool, shared_embedded_redis, cluster
+) -> None:  # type: ignore[no-untyped-def]
+    """A runs on the engine (the owner took it out of the queue); B is handed off then, so B's
+    answer reads a queue of B alone. When A finishes, the view must still count B: taking A off
+    B's answer as well left 0 ms queued while B waited (the old rule, a backlog short by B)."""
+    paddr = worker_pool["prefill"][0].address
+    daddr = worker_pool["decode"][0].address
+    await clients["prefill"][0].configure(formula="600", time_scale=1.0)
+    pw = f"prefill@{paddr}"
+    # polls far apart, so no snapshot supersedes B's answer while A runs (the overlay is read)
+    settings = Settings(
+        cluster=cluster, replica_id=f"finish-{cluster}", prefill_time_formula="600", poll_interval_ms=10_000
+    )
+    rep = Replica(settings, shared_embedded_redis, [parse_worker(pw), parse_worker(f"decode@{daddr}")])
+    await rep.start()
+    try:
+        await _owned_and_up(rep, pw, f"decode@{daddr}")
+        pipe = rep.pipeline
+        b_answered = asyncio.Event()
+        a_events = pipe.run(GenRequest(f"fa-{cluster}", [5] * 64, 2, 30_000))
+        a_first = asyncio.ensure_future(anext(a_events))
+        deadline = time.monotonic() + 10
+        while not await asyncio.to_thread(running_on, paddr, f"fa-{cluster}"):
+            assert time.monotonic() < deadline and not a_first.done(), "A never ran"
+            await asyncio.sleep(0.02)
+        b_req = GenRequest(f"fb-{cluster}", [6] * 64, 1, 30_000, on_admitted=b_answered.set)
+        b_task = asyncio.ensure_future(_drain(pipe.run(b_req)))
+        await asyncio.wait_for(b_answered.wait(), 10)
+        ov = rep.views.queued_overlay[pw]
+        assert ov[0] == 600.0 and rep.views.overlay_answer_of[pw] == f"fb-{cluster}", ov
+        kind, _ = await asyncio.wait_for(a_first, 10)  # A's prefill finished and was taken in
+        assert kind == "first"
+        view = next(x for x in pipe.views("prefill") if x.id == pw)
+        snap_t = rep.views.snapshot_time.get(pw, 0.0)
+        assert snap_t <= ov[1], "a snapshot superseded B's answer: the case did not happen"
+        assert view.queued_ms == 600.0, view  # B, still queued or just taken: not counted out
+        assert [e async for e in a_events][-1][0] == "end"
+        assert (await b_task)[-1][0] == "end"
+    finally:
+        await rep.stop(drain=False)
+
+
+async def _owned_and_up(rep: Replica, pw: str, dw: str) -> None:
+    deadline = time.monotonic() + 60
+    while not (rep.worker_up(pw) and rep.worker_up(dw) and pw in rep.leases.owned()):
+        assert time.monotonic() < deadline, "the replica never owned an up prefill worker"
+        await asyncio.sleep(0.05)
+
+
+async def _drain(events: AsyncIterator[tuple[str, object]]) -> list[tuple[str, object]]:
+    return [e async for e in events]

@@ -16,6 +16,7 @@ from app.cache.mirror import CacheMirror
 from app.cluster.registry import Registry
 from app.rpc.worker_client import WorkerClient
 from app.scheduling.in_flight import HandoffsInFlight
+from app.scheduling.routing import overlay_less_prefilled
 from app.state.keys import Keys
 from app.state.retry import TRANSIENT
 from app.state.text import to_str as _s
@@ -58,8 +59,24 @@ class WorkerViews:
         self.snapshots: dict[str, dict[str, str]] = {}  # latest owner snapshot per worker
         self.snapshot_time: dict[str, float] = {}  # wall s each snapshot was read
         self.queued_overlay: dict[str, tuple[float, float]] = {}  # wid → (queued ms, when) from hand-offs
+        self.overlay_answer_of: dict[str, str] = {}  # wid → the request whose own answer it is, if one
         self.in_flight = HandoffsInFlight()  # hand-offs sent whose answer is not in the overlay yet
         self.clients: dict[str, WorkerClient] = {}
+
+    def note_queued(self, wid: str, queued_ms: float, when: float, answer_of: str = "") -> None:
+        """The queued ms a hand-off script read on ``wid`` (its answer); ``answer_of``: the request
+        it appended, when the answer holds it (`routing.overlay_less_prefilled`)."""
+        self.queued_overlay[wid] = (queued_ms, when)
+        self.overlay_answer_of[wid] = answer_of
+
+    def note_prefilled(self, wid: str, request_id: str, predicted_ms: float) -> None:
+        """``request_id``'s prefill on ``wid`` finished: off the overlay if it is its own answer."""
+        ov = overlay_less_prefilled(
+            self.queued_overlay.get(wid), self.overlay_answer_of.get(wid), request_id, predicted_ms
+        )
+        if ov is not None:
+            self.queued_overlay[wid] = ov
+            self.overlay_answer_of[wid] = ""
 
     def prefill_ids(self) -> list[str]:
         return sorted(w for w, i in self.workers.items() if i.get("role") == "prefill")

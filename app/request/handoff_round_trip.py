@@ -231,7 +231,7 @@ class HandoffRoundTrip(RequestContext):
         now = time.time()
         choice = args.pair.choice(picked.index)
         for c, (queued, owed) in zip((args.pair.first, args.pair.alt), picked.loads, strict=True):
-            self.fleet.queued_overlay[c.worker_id] = (queued, now)
+            self.fleet.note_queued(c.worker_id, queued, now)  # ours: `_prefill` marks it after
             self.owed_overlay[c.worker_id] = (owed, now)
         if picked.index == 0:
             return wid, predicted, args.pair.first.hit_tokens

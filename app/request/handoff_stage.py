@@ -134,7 +134,9 @@ class HandoffStage(RequestContext):
             # the answer (or the failure) stands for it from here: no await since the script's reply
             self.fleet.in_flight.answered(sent_to, token)
         now = time.time()
-        self.fleet.queued_overlay[wid] = (queued, now)  # the live queue, with this hand-off if taken
+        # the live queue, with this hand-off when it was taken (an entry id, not a refusal)
+        taken = entry is not None and entry != NOT_IDLE
+        self.fleet.note_queued(wid, queued, now, rid if taken else "")
         self.owed_overlay[wid] = (owed, now)
         if entry == NOT_IDLE and admitted is not None:
             self._not_idle(req, p, wid, queued, owed, admitted, fresh)
@@ -183,9 +185,7 @@ class HandoffStage(RequestContext):
         # a snapshot from while it ran still counts it as owed.
         start_ms, end_ms = float(reply.get("start_ms", 0)), float(reply.get("end_ms", 0))
         self.finished.setdefault(wid, []).append((predicted, start_ms, end_ms, time.time()))
-        ov = self.fleet.queued_overlay.get(wid)
-        if ov is not None:
-            self.fleet.queued_overlay[wid] = (max(0.0, ov[0] - predicted), ov[1])
+        self.fleet.note_prefilled(wid, rid, predicted)
         p.batch_id = reply.get("batch_id", "")
         p.batch_size = int(reply.get("batch_size", 1) or 1)
         p.cached_tokens = int(float(reply.get("cached_tokens", 0)))
@@ -201,7 +201,7 @@ class HandoffStage(RequestContext):
         (``queued`` / ``owed`` ms, without this request), nothing was queued. 429
         `slo_unattainable`, Retry-After from that live backlog (`admission.idle_on_live`)."""
         self.replies.forget(req.request_id)
-        self.fleet.queued_overlay[wid] = (queued, time.time())
+        self.fleet.note_queued(wid, queued, time.time())
         if fresh:
             self._log("queued", req, p)
         refused = idle_on_live(self.runtime.admission, v, queued, owed, self._scale(wid))

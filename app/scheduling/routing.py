@@ -44,6 +44,7 @@ __all__ = [
     "decode_headroom",
     "eligible_decode",
     "eligible_prefill",
+    "overlay_less_prefilled",
     "owed_less_finished",
     "pick_tied",
     "prefill_load",
@@ -268,6 +269,24 @@ def owed_less_finished(
         if start <= snap_now_ms:
             owed_ms -= max(0.0, predicted - (snap_now_ms - start))
     return max(0.0, owed_ms)
+
+
+def overlay_less_prefilled(
+    overlay: tuple[float, float] | None, answer_of: object, request: object, predicted_ms: float
+) -> tuple[float, float] | None:
+    """This origin's queued overlay on a worker (queued ms, when) once ``request``'s prefill there
+    finished. The overlay is what one hand-off's answer read (``answer_of``: whose). It holds
+    ``request`` for certain only when it is ``request``'s own answer: that script had just appended
+    it, and the owner takes an entry only after. Any later answer may have been read after the
+    owner took ``request`` into a batch, which moved its time to the ledger's owed ms that the view
+    ages by itself; taking it off the queued time as well counted it out twice, and a request
+    routed then was admitted against a backlog short by it. Kept, the overlay over-counts it (when
+    that answer still held it) until this origin's next answer there or a newer snapshot.
+
+    The one rule for the live origin (`HandoffStage`) and the simulator (`ClusterSim._reply`)."""
+    if overlay is None or answer_of != request:
+        return overlay
+    return (max(0.0, overlay[0] - predicted_ms), overlay[1])
 
 
 def current_loads(

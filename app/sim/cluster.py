@@ -61,7 +61,7 @@ from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
 from app.scheduling.formula import BatchItem
-from app.scheduling.routing import NoWorker, PrefillQuery
+from app.scheduling.routing import NoWorker, PrefillQuery, overlay_less_prefilled
 from app.sim.config import SimConfig
 from app.sim.decode_side import DecodeSide
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
@@ -304,6 +304,7 @@ class ClusterSim(DecodeSide):
             verdict = idle_on_live(self.cfg.admission, verdict, queued, owed)
             if not verdict.admit:
                 rep.overlay[w] = (queued, self.now)  # what the refusing script's answer says
+                rep.overlay_of[w] = -1
                 rep.note_fresh_owed(w, owed, self.now)
                 rep.pviews[w] = rep.pview(w, self.now)
         if not verdict.admit:
@@ -317,6 +318,7 @@ class ClusterSim(DecodeSide):
         self.queue_items[w] += 1
         self.p_dirty[w] = True
         rep.overlay[w] = (self.queued_ms[w], self.now)
+        rep.overlay_of[w] = i  # this answer holds request i (`overlay_less_prefilled`)
         rep.note_fresh_owed(w, self._live_load(w) - self.queued_ms[w], self.now)  # the script's read
         cap = hit_blocks_cap(size, self.bs)
         if keys:
@@ -456,9 +458,10 @@ class ClusterSim(DecodeSide):
         # What the live origin does with a reply: remember the finished prefill (owed correction)
         # and take it off its queued overlay.
         rep.finished.setdefault(w, []).append((st.predicted_ms, r.start_ms, r.end_ms, self.now))
-        ov = rep.overlay.get(w)
+        ov = overlay_less_prefilled(rep.overlay.get(w), rep.overlay_of.get(w), i, st.predicted_ms)
         if ov is not None:
-            rep.overlay[w] = (max(0.0, ov[0] - st.predicted_ms), ov[1])
+            rep.overlay[w] = ov
+            rep.overlay_of[w] = -1
         rep.pviews[w] = rep.pview(w, self.now)
         tr = self.trace.requests[i]
         max_new = max(1, tr.output_len)

@@ -59,6 +59,7 @@ class SimReplica:
         self.d_seen = [-1] * cfg.decode
         self.snap_time = -1.0
         self.overlay: dict[int, tuple[float, float]] = {}
+        self.overlay_of: dict[int, int] = {}  # worker → the request whose own answer the overlay is
         self.fresh_owed: dict[int, tuple[float, float]] = {}  # ledger owed as our hand-off read it
         self.aging: dict[int, float] = {}  # worker → when its fresh owed ms reaches 0
         self.finished: dict[int, list[tuple[float, float, float, float]]] = {}
@@ -190,6 +191,7 @@ class SimReplica:
             self.dviews = [self.dview(d) for d in range(len(self.dids))]
         changed = set(self.overlay)  # the refresh makes every overlay older than the snapshot
         self.overlay.clear()
+        self.overlay_of.clear()
         self.fresh_owed.clear()
         self.aging.clear()
         for w, ver in enumerate(p_pub_ver):
