@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from app.security.ratelimit import GATE, Limiter, inflight_key
 from app.state.keys import Keys
 from app.state.store import StateStore
 
+from .conftest import worker_call
 from .gateways import ROOT, Gateway, start_gateway, wait_for
 
 CAP = 2  # the replicas' FLEXLB_MAX_CONCURRENT_REQUESTS
@@ -383,6 +385,39 @@ def test_a_refused_client_id_leaves_no_record(sec: Sec) -> None:
     # once the bucket refills, the same client id runs (its record and hold made inside the gate)
     ok = wait_for(lambda: (x := sec.gen(sec.b, key, rid=rid)).status_code == 200 and x, 5, what="refill")
     assert ok.json()["request_id"] == rid and sec.r.hget(keys.request(scoped), "state") == b"completed"
+
+
+def test_a_duplicate_of_a_running_id_keeps_the_tenants_concurrency_limit(sec: Sec, worker_pool: Any) -> None:
+    """A duplicate of a client id that is running passes the tenant's limit (a slot is free),
+    then gets 409. It held a slot of its own: when it ended, it gave back only that one. With the
+    id itself as the slot's member, the duplicate's end gave back the running request's slot, and
+    the tenant ran 3 requests under a limit of 2."""
+    # `system` fills the whole replica cap (2): the tenant's limit is what refuses, not a replica's
+    key = sec.add_key("conc", max_concurrent=2, max_priority="system")
+    sec.limits_applied()
+    slots = inflight_key(sec.cluster, "conc")
+    prefill = [w.address for w in worker_pool["prefill"]]
+    for addr in prefill:
+        worker_call(addr, "configure", formula="3000")  # each request's prefill runs 3 s
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            rid = f"dup-{uuid.uuid4().hex[:6]}"
+            first = pool.submit(sec.gen, sec.a, key, rid, "system")
+            wait_for(lambda: sec.r.zcard(slots) == 1, 10, what="the first request holds a slot")
+            dup = sec.gen(sec.b, key, rid=rid, priority="system")
+            assert dup.status_code == 409 and dup.json()["error"]["code"] == "duplicate_request", dup.text
+            # the duplicate's own slot goes back (within the 100 ms release flush); the first's stays
+            wait_for(lambda: sec.r.zcard(slots) == 1, 10, what="the duplicate's slot given back")
+            assert sec.r.zrange(slots, 0, -1)[0].startswith(f"conc~{rid}".encode())
+            second = pool.submit(sec.gen, sec.a, key, None, "system")
+            wait_for(lambda: sec.r.zcard(slots) == 2, 10, what="the second request holds a slot")
+            third = sec.gen(sec.b, key, priority="system")  # two of two are running: refused
+            assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limited", third.text
+            assert "2 concurrent requests" in third.json()["error"]["message"]
+            assert first.result(30).status_code == 200 and second.result(30).status_code == 200
+    finally:
+        for addr in prefill:
+            worker_call(addr, "reset")
 
 
 def test_the_limit_and_the_round_trip_are_one_command_and_a_refusal_writes_nothing(

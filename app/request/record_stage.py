@@ -4,6 +4,7 @@ trip every write of the request path goes through (tenant limit, NOSCRIPT reload
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -133,7 +134,7 @@ class RecordStage(RequestContext):
         its later commands depend on an earlier one), and a refusal raises 429 `rate_limited`."""
         if req is not None and req.limit is not None:
             check, req.limit = req.limit, None  # once per request: a second hand-off is the same request
-            res = await check.run(req.request_id, cmds, on_last)
+            res = await check.run(_slot_member(req), cmds, on_last)
         else:
             res = await self.store.execute_scripts(cmds, on_last)
         for x in res:
@@ -166,3 +167,12 @@ class RecordStage(RequestContext):
                 return True
             refused.add(dec.worker_id)
         return False
+
+
+def _slot_member(req: GenRequest) -> str:
+    """The request's member in its tenant's concurrency slots. A fresh id is a new UUID; a client's
+    id is not unique per request: a duplicate sent while it runs (answered 409 after the limit
+    passed) or a retry's attempt took the same member, so its end gave the running request's slot
+    back, and the tenant could then run one more than its limit per duplicate. Suffixed with a
+    per-request nonce, each holds and returns its own."""
+    return req.request_id if req.fresh_id else f"{req.request_id}!{secrets.token_hex(4)}"
