@@ -405,7 +405,7 @@ if fa then w = 2 elseif fb then w = 1 else
   if ua >= best - slack and ub >= best - slack then w = tonumber(ARGV[18])
   elseif ua >= ub then w = 1 else w = 2 end
 end
-if ARGV[30] and ARGV[30] ~= '' then
+if (ARGV[30] and ARGV[30] ~= '') or (ARGV[31] and ARGV[31] ~= '') then
   local function fits(i)
     if (i == 1 and fa) or (i == 2 and fb) then return false end
     local lim = ARGV[29 + i]
