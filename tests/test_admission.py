@@ -9,7 +9,9 @@ from app.scheduling.admission import (
     AdmissionConfig,
     decide,
     expected_batch_wait_ms,
-    idle_on_live,
+    fits_on_live,
+    max_backlog_ms,
+    pick_within,
     predicted_ttft_ms,
 )
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
@@ -74,27 +76,75 @@ def test_an_over_slo_prompt_is_admitted_only_if_the_worker_is_idle_on_the_live_s
     """The snapshot a verdict reads may be stale (another replica just handed a long prompt or
     short ones to the same worker): an over-SLO prompt's admission says `require_idle`, and the
     hand-off (live: its script, atomically with queueing it; sim: the exact state) confirms the
-    worker idle on the live queued + owed ms with `idle_on_live`, or refuses it with Retry-After
-    that live backlog's drain time. Every other verdict passes `idle_on_live` unchanged."""
+    worker idle on the live queued + owed ms with `fits_on_live`, or refuses it with Retry-After
+    that live backlog's drain time. Every other admission is checked there against its own
+    allowance (`test_every_admission_is_checked_on_the_live_backlog`)."""
     cfg = AdmissionConfig()
     idle = decide(cfg, view(), 7800, 3000, explicit=False)
     assert idle.admit and idle.require_idle
-    assert idle_on_live(cfg, idle, 0.0, 0.0) == idle
-    assert idle_on_live(cfg, idle, IDLE_EPS_MS, 0.0) == idle  # the counter's text residue
-    busy = idle_on_live(cfg, idle, 7800.0, 1200.0)  # another origin's long prompt got there first
+    assert fits_on_live(cfg, idle, 0.0, 0.0) == idle
+    assert fits_on_live(cfg, idle, IDLE_EPS_MS, 0.0) == idle  # the counter's text residue
+    busy = fits_on_live(cfg, idle, 7800.0, 1200.0)  # another origin's long prompt got there first
     assert not busy.admit and busy.reason == "slo_unattainable" and not busy.require_idle
     assert busy.retry_after_s == pytest.approx(9.0)  # the live backlog's drain time
     assert busy.predicted_ms == pytest.approx(7800 + 9000)
     scaled = decide(cfg, view(), 7800, 500, time_scale=0.1, explicit=False)  # 780 wall ms > 500
     assert scaled.admit and scaled.require_idle
-    assert idle_on_live(cfg, scaled, 20000.0, 0.0, time_scale=0.1).retry_after_s == pytest.approx(2.0)
-    assert idle_on_live(cfg, scaled, 1.0, 0.0, time_scale=0.1).retry_after_s == cfg.retry_after_s  # floor
-    # requests that fit the SLO, or carry their own deadline, never ask for an idle worker
+    assert fits_on_live(cfg, scaled, 20000.0, 0.0, time_scale=0.1).retry_after_s == pytest.approx(2.0)
+    assert fits_on_live(cfg, scaled, 1.0, 0.0, time_scale=0.1).retry_after_s == cfg.retry_after_s  # floor
+    # requests that fit the SLO, or carry their own deadline, never ask for an idle worker: they
+    # carry the live backlog they still fit behind (3000 x 0.85 - 1000 = 1550 ms)
     fits = decide(cfg, view(1000, 500), 1000, 3000, explicit=False)
     assert fits.admit and not fits.require_idle
-    assert idle_on_live(cfg, fits, 5000.0, 5000.0) == fits
+    assert fits.max_backlog_ms == pytest.approx(1550.0)
+    assert fits_on_live(cfg, fits, 1000.0, 550.0) == fits
+    late = fits_on_live(cfg, fits, 5000.0, 5000.0)
+    assert not late.admit and late.reason == "slo_unattainable"
+    assert late.retry_after_s == pytest.approx((10000 - 1550) / 1000)
     assert not decide(cfg, view(), 1000, 3000, explicit=True).require_idle
     assert not decide(AdmissionConfig(mode="off"), view(), 7800, 3000, explicit=False).require_idle
+
+
+def test_every_admission_is_checked_on_the_live_backlog() -> None:
+    """Replicas bursting at one worker each admit on a view that lacks the others' hand-offs:
+    every admission carries the largest live backlog at which it still fits its budget
+    (`max_backlog_ms`: budget x (1 + slack) / time scale - batcher window - own prefill, the
+    inverse of `decide`), and `fits_on_live` refuses it beyond that, Retry-After the time the
+    backlog needs to fall back within it (at least the floor)."""
+    cfg = AdmissionConfig()  # slack -0.15
+    v = decide(cfg, view(), 600, 3000, explicit=False, batch_wait_ms=0.0, window_ms=40.0)
+    assert v.admit and v.max_backlog_ms == pytest.approx(3000 * 0.85 - 40 - 600)
+    # the decision and the allowance are the same inequality: a view just within it is admitted
+    edge = v.max_backlog_ms or 0.0
+    assert decide(cfg, view(edge, 0.0), 600, 3000, explicit=False, batch_wait_ms=40.0).admit
+    assert not decide(cfg, view(edge + 1.0, 0.0), 600, 3000, explicit=False, batch_wait_ms=40.0).admit
+    assert fits_on_live(cfg, v, edge - 100.0, 100.0) == v
+    over = fits_on_live(cfg, v, edge + 2500.0, 0.0)
+    assert not over.admit and over.reason == "slo_unattainable" and over.retry_after_s == pytest.approx(2.5)
+    assert fits_on_live(cfg, v, edge + 10.0, 0.0).retry_after_s == cfg.retry_after_s  # the floor
+    # time scale: the budget is wall ms, the backlog modelled ms (10 wall ms per modelled ms)
+    assert max_backlog_ms(cfg, 60, 3000, time_scale=10.0) == pytest.approx(3000 * 0.85 / 10 - 60)
+    # fits only without the batcher's window: an idle worker dispatches at once
+    assert max_backlog_ms(cfg, 2540, 3000, window_ms=40.0) == IDLE_EPS_MS
+    # longer than the budget: only an idle worker (the cluster SLO), none (the client's deadline)
+    assert max_backlog_ms(cfg, 7800, 3000) == IDLE_EPS_MS
+    assert max_backlog_ms(cfg, 7800, 3000, explicit=True) < 0
+    assert max_backlog_ms(cfg, 100, 0) < 0
+    # admission off: nothing to check
+    off = decide(AdmissionConfig(mode="off"), view(9000), 600, 3000)
+    assert off.max_backlog_ms is None and fits_on_live(cfg, off, 1e9, 0.0) == off
+
+
+def test_the_fresh_pick_takes_the_candidate_whose_allowance_fits() -> None:
+    """`HANDOFF_PICK`'s rule (the script and the simulator): the ranking's winner when its live
+    backlog is within its own allowance; else the other when it is within its own and its queue
+    is not full; else none (429 slo_unattainable, nothing written)."""
+    assert pick_within(0, (100.0, 0.0), (500.0, 500.0), (False, False)) == 0
+    assert pick_within(0, (900.0, 0.0), (500.0, 500.0), (False, False)) == 1
+    assert pick_within(1, (0.0, 900.0), (500.0, 500.0), (False, False)) == 0
+    assert pick_within(0, (900.0, 400.0), (500.0, 300.0), (False, False)) is None  # own allowances
+    assert pick_within(0, (900.0, 0.0), (500.0, 500.0), (False, True)) is None  # the other is full
+    assert pick_within(0, (900.0, 0.0), (None, None), (False, False)) == 0  # no check
 
 
 def test_batch_wait_only_counts_for_a_busy_windowed_worker() -> None:

@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from app.request.routing_inputs import LOAD_SLOPE, FreshPair, fresh_pair
+from app.scheduling.admission import pick_within
 from app.scheduling.formula import DEFAULT_PREFILL_FORMULA, compile_formula
 from app.scheduling.plugins import registry
 from app.scheduling.plugins.registry import BuildContext, Candidates
@@ -193,6 +194,107 @@ async def test_handoff_pick_script_decides_as_fresh_pair(redis_url: str, cluster
         assert not await r.exists(keys.request("none"))  # no record: none is created
         res = await st.run_script("handoff_pick", ks, args)
         assert int(res[0]) == -1
+    finally:
+        left = await r.keys(f"{cluster}*")
+        if left:
+            await r.delete(*left)
+        await r.aclose()
+
+
+async def test_handoff_pick_holds_each_candidate_to_its_own_max_backlog(redis_url: str, cluster: str) -> None:
+    """`HANDOFF_PICK` with `max_backlog_a` / `_b` (each candidate's own allowance: their predicted
+    prefills differ) decides as `admission.pick_within` after `FreshPair.decide`: the ranking's
+    winner within its allowance; else the other within its own; else -2 with the winner's load
+    and nothing written. The simulator calls the same `pick_within`."""
+    r = aioredis.from_url(redis_url)
+    keys = Keys(cluster)
+    st = StateStore(r, keys)
+    await st.load_scripts()
+    a, b = "prefill@127.0.0.1:1", "prefill@127.0.0.1:2"
+    rnd = random.Random(5)
+    outcomes = set()
+    try:
+        for i in range(60):
+            qa, qb = rnd.uniform(0, 1000), rnd.uniform(0, 1000)
+            la, lb = rnd.uniform(0, 1000), rnd.uniform(0, 1000)
+            await r.set(keys.queued_ms(a), f"{qa:.6f}")
+            await r.set(keys.queued_ms(b), f"{qb:.6f}")
+            pair = FreshPair(
+                Choice(a, predicted_ms=10.0),
+                Choice(b, predicted_ms=30.0),
+                ((-10.0, -0.25, -0.25, 0.0, 0.0), (-30.0, -0.25, -0.25, 0.0, 0.0)),
+                -1.0,
+                0.1,
+                20.0,
+                rnd.randint(0, 1),
+            )
+            ranked = pair.decide(((qa, 0.0), (qb, 0.0)))
+            want = pick_within(ranked, (qa, qb), (la, lb), (False, False))
+            outcomes.add(want)
+            rid = f"m{i}"
+            (t0, cq0, co0, hw0, hc0), (t1, cq1, co1, hw1, hc1) = pair.terms
+            ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
+            terms = [repr(x) for x in (t0, cq0, co0, t1, cq1, co1, -1.0, 0.1, 20.0)]
+            hinges = [repr(x) for x in (hw0, hc0, hw1, hc1)]
+            args = [
+                100,
+                b"ids",
+                "{}",
+                "{}",
+                "10.0",
+                "30.0",
+                "1",
+                "1",
+                *terms,
+                pair.winner + 1,
+                b,
+                b"",
+                *hinges,
+            ]
+            args += ["", "", "", "", "", repr(la), repr(lb)]
+            res = await st.run_script("handoff_pick", [*ks, keys.ledger(b), keys.request(rid)], args)
+            qa_after, qb_after = float(await r.get(keys.queued_ms(a))), float(await r.get(keys.queued_ms(b)))
+            if want is None:
+                assert res[0] == -2 and int(res[3]) - 1 == ranked, (i, qa, qb, la, lb)
+                assert float(res[1]) == pytest.approx((qa, qb)[ranked], abs=1e-6)
+                assert (qa_after, qb_after) == pytest.approx((qa, qb))
+                assert await r.xlen(keys.queue(a)) == 0 and await r.xlen(keys.queue(b)) == 0
+            else:
+                assert res[0] != -2 and int(res[3]) - 1 == want, (i, qa, qb, la, lb, ranked)
+                assert (qa_after, qb_after) == pytest.approx(
+                    (qa + 10.0, qb) if want == 0 else (qa, qb + 30.0)
+                )
+            await r.delete(keys.queue(a), keys.queue(b))
+        assert outcomes == {0, 1, None}, outcomes  # each answer was exercised
+        # the winner over its allowance and the other full: refused, not queued past the bound
+        await r.set(keys.queued_ms(a), "900")
+        await r.set(keys.queued_ms(b), "0")
+        await r.xadd(keys.queue(b), {"m": "{}"})
+        ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
+        args = [
+            1,
+            b"ids",
+            "{}",
+            "{}",
+            "1",
+            "1",
+            "1",
+            "1",
+            "0",
+            "0",
+            "0",
+            "-1000",
+            "0",
+            "0",
+            "-1",
+            "0",
+            "0",
+            1,
+            b,
+        ]
+        args += [b"", "0", "0", "0", "0", "", "", "", "", "", "500", "500"]
+        res = await st.run_script("handoff_pick", [*ks, keys.ledger(b), keys.request("x")], args)
+        assert res[0] == -2 and int(res[3]) == 1 and await r.xlen(keys.queue(a)) == 0
     finally:
         left = await r.keys(f"{cluster}*")
         if left:

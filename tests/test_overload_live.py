@@ -295,3 +295,82 @@ def test_two_replicas_never_both_admit_over_slo_prompts_onto_one_idle_worker(
         a.stop()
         b.stop()
         conf(reset=True)
+
+
+def test_two_replicas_bursting_at_one_worker_admit_no_more_than_fits_the_slo(
+    worker_pool, shared_embedded_redis, cluster, tmp_path
+) -> None:
+    """Two replicas take a burst for the same prefill worker at the same moment. Each admits on
+    its own view: the owners' snapshot (kept as it was at start here by a 30 s poll interval, as a
+    stale one is between polls) plus its own hand-offs, not the other replica's. Admitting on
+    that alone, each filled the whole SLO budget (4 of 600 predicted ms each) and together they
+    put twice what fits onto the worker. Every admission now carries the largest live backlog it
+    still fits behind (`Verdict.max_backlog_ms`), checked by the hand-off script on the live
+    queued + owed ms in the step that queues it: the engine time admitted fits the SLO on the
+    engine's modelled clock, and the rest is refused 429 `slo_unattainable` with Retry-After,
+    counted in `flexlb_admission_rejections_total`, never handed off."""
+    p = worker_pool["prefill"][0]
+    d = worker_pool["decode"][0]
+
+    def conf(reset: bool) -> None:
+        configure_pool([p.address], d.address, "500", 1.0, reset)
+
+    conf(reset=False)
+    spec = f"prefill@{p.address},decode@{d.address}"
+    env = {"FLEXLB_POLL_INTERVAL_MS": "30000"}
+    a = start_gateway(tmp_path, shared_embedded_redis, cluster, spec, **env)
+    b = start_gateway(tmp_path, shared_embedded_redis, cluster, **env)
+    try:
+        wait_for(lambda: a.readyz()["ready"] and b.readyz()["ready"], 60, what="ready")
+        h = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        # one request per batch, 500 engine ms each; the gateway predicts 600 (a little
+        # pessimistic); requests name no deadline: the cluster SLO holds them
+        cfg = {"schedule_mode": "direct", "prefill_time_formula": "600", "slo_ttft_ms": float(SLO_MS)}
+        assert httpx.put(a.url + "/admin/config", json=cfg, headers=h).status_code == 200
+        wait_for(
+            lambda: all("runtime config v1 applied" in g.log() for g in (a, b)), 30, what="config applied"
+        )
+        n = 8  # per replica: 4.8 s of predicted work each, 9.6 s in all, against 3 s
+
+        def rid(g: int, i: int) -> str:
+            return f"olr-{g}-{i}-{cluster}"
+
+        async def one(c: httpx.AsyncClient, g: int, i: int) -> tuple[int, dict, str]:
+            body = {"prompt": f"burst {g} {i} " + "w" * 40, "max_new_tokens": 1, "request_id": rid(g, i)}
+            res = await c.post((a, b)[g].url + "/v1/generate", json=body)
+            return res.status_code, res.json(), res.headers.get("retry-after", "")
+
+        async def burst() -> list[tuple[int, dict, str]]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                for g in (0, 1):  # warm each path (connection, tokenizer) so the burst is even
+                    assert (await one(c, g, -1))[0] == 200
+                await asyncio.sleep(0.4)
+                return list(await asyncio.gather(*(one(c, g, i) for i in range(n) for g in (0, 1))))
+
+        rs = asyncio.run(burst())
+        ids = [rid(g, i) for i in range(n) for g in (0, 1)]
+        assert all(r[0] in (200, 429) for r in rs), [(r[0], r[1]) for r in rs if r[0] not in (200, 429)]
+        ok_ids = [x for x, r in zip(ids, rs, strict=True) if r[0] == 200]
+        refused = [r for r in rs if r[0] == 429]
+        assert ok_ids and refused, [r[0] for r in rs]
+        assert all(r[1]["error"]["code"] == "slo_unattainable" and int(r[2]) >= 1 for r in refused)
+        recs = engine_records(p.address)
+        assert all(recs.get(x, {}).get("status") == "ok" for x in ok_ids), (ok_ids, sorted(recs))
+        # what the two replicas together put on the worker fits the SLO on the engine's clock
+        admitted_engine_ms = sum(recs[x]["end_ms"] - recs[x]["start_ms"] for x in ok_ids)
+        assert admitted_engine_ms <= SLO_MS, (len(ok_ids), admitted_engine_ms)
+        refused_ids = [x for x, r in zip(ids, rs, strict=True) if r[0] == 429]
+        assert not set(refused_ids) & set(recs), sorted(set(refused_ids) & set(recs))
+        counted = 0.0
+        for g in (a, b):
+            line = next(
+                x
+                for x in g.get("/metrics").text.splitlines()
+                if x.startswith('flexlb_admission_rejections_total{reason="slo_unattainable"}')
+            )
+            counted += float(line.rsplit(" ", 1)[1])
+        assert counted == len(refused)
+    finally:
+        a.stop()
+        b.stop()
+        conf(reset=True)

@@ -15,7 +15,7 @@ from app.gateway.errors import ApiError
 from app.request.context import LocalOwner, RequestContext
 from app.request.routing_inputs import FreshPair
 from app.request.types import GenRequest, Progress
-from app.state.handoff import GROUP, NOT_IDLE, pack_tokens
+from app.state.handoff import GROUP, OVER_BACKLOG, pack_tokens
 from app.state.resp import stream_entries
 from app.state.store import request_fields
 from app.state.text import to_str as _s
@@ -28,6 +28,8 @@ class PairArgs:
     pair: FreshPair
     meta_json: str
     predicted: float
+    # the runner-up's own allowance (`admission.max_backlog_ms` with its own predicted prefill)
+    max_backlog: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +55,16 @@ class HandoffRoundTrip(RequestContext):
         predicted: float,
         pair: PairArgs | None = None,
         packed_keys: bytes = b"",
-        idle_eps: float | None = None,
+        max_backlog: float | None = None,
     ) -> tuple[str | None, float, float, int, Picked | None]:
         """`_record` and the hand-off in ONE pipeline (DESIGN §3: the origin's only serial round
         trip), for ids the gateway generated. Returns (entry id or None when the queue is full,
         queued ms, owed ms, decode hold: 1 new / 0 refused / -1 no decode, and with ``pair`` what
         `HANDOFF_PICK` chose: the hand-off went to ``wid`` or to the pair's runner-up). With
-        ``idle_eps`` (`Verdict.require_idle`) the script hands off only onto an idle worker, else
-        the entry id is `NOT_IDLE` (recorded and reserved, nothing queued) and queued / owed ms
-        are the chosen worker's live backlog. Only such a request carries the extra argument."""
+        ``max_backlog`` (`Verdict.max_backlog_ms`) the script hands off only onto a worker whose
+        live backlog is within it, else the entry id is `OVER_BACKLOG` (recorded and reserved, nothing
+        queued) and queued / owed ms are the chosen worker's live backlog. The allowance is one
+        more argument of the same EVALSHA: no extra command."""
         rid = req.request_id
         p.prefill_worker = wid
         fields = self._record_fields(req, p)
@@ -106,16 +109,18 @@ class HandoffRoundTrip(RequestContext):
                 cmd[2] = 4
                 cmd.insert(6, self.keys.owner_lease(wid))
                 cmd += [GROUP, owners[0][0].replica_id, owners[0][1]]
-            elif idle_eps is not None:
+            elif max_backlog is not None:
                 cmd += ["", "", ""]
-            if idle_eps is not None:
-                cmd.append(f"{idle_eps:g}")
+            if max_backlog is not None:
+                cmd.append(repr(float(max_backlog)))
             cmds.append(cmd)
             metas = [meta_json]
         else:
             owners = [self._owner_here(wid), self._owner_here(pair.pair.alt.worker_id)]
             cmds.append(
-                self._pick_command(rid, wid, meta_json, predicted, ids, pair, packed_keys, owners, idle_eps)
+                self._pick_command(
+                    rid, wid, meta_json, predicted, ids, pair, packed_keys, owners, max_backlog
+                )
             )
             metas = [meta_json, pair.meta_json]
         take: Callable[[Any], None] | None = None
@@ -156,7 +161,7 @@ class HandoffRoundTrip(RequestContext):
         if entry == "-1":  # the queue was full: recorded (and reserved), nothing queued
             p.stage = "recorded"
             return None, queued, owed, held, picked
-        if entry == NOT_IDLE:  # a require_idle hand-off found the worker busy: nothing queued
+        if entry == OVER_BACKLOG:  # the worker's live backlog exceeded the allowance: nothing queued
             p.stage = "recorded"
         return entry, queued, owed, held, picked
 
@@ -178,11 +183,12 @@ class HandoffRoundTrip(RequestContext):
         pair: PairArgs,
         packed_keys: bytes = b"",
         owners: list[tuple[LocalOwner, str] | None] | None = None,
-        idle_eps: float | None = None,
+        max_backlog: float | None = None,
     ) -> list[Any]:
         """The `HANDOFF_PICK` EVALSHA: ``wid`` (the policy's pick) against the pair's runner-up;
         with ``owners`` (ours of each, `_owner_here`) the winner's entries come back for ours;
-        with ``idle_eps`` only onto an idle winner (`_record_and_append`)."""
+        with ``max_backlog`` (ours) and the pair's own, only onto a worker within its allowance
+        (`admission.pick_within`)."""
         alt = pair.pair.alt.worker_id
         (a0, aq, ao, ahw, ahc), (b0, bq, bo, bhw, bhc) = pair.pair.terms
         here = owners if owners is not None and any(owners) else None
@@ -190,8 +196,8 @@ class HandoffRoundTrip(RequestContext):
         tail: list[Any] = []
         if here:
             tail = [GROUP, *(x for o in here for x in ((o[0].replica_id, o[1]) if o else ("", "")))]
-        if idle_eps is not None:
-            tail = (tail or [""] * 5) + [f"{idle_eps:g}"]
+        if max_backlog is not None or pair.max_backlog is not None:
+            tail = (tail or [""] * 5) + [_limit(max_backlog), _limit(pair.max_backlog)]
         return [
             "EVALSHA",
             self.store.sha("handoff_pick"),
@@ -251,3 +257,8 @@ def _take_here(owner: LocalOwner, out: list[Any], at: int, meta_json: str, ids: 
         taken.append((out[0], own))
     if taken:
         owner.take_local(taken)
+
+
+def _limit(x: float | None) -> str:
+    """An allowance argument: exact (repr, the Lua number is the same double), '' for none."""
+    return "" if x is None else repr(float(x))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from app import metrics as M
@@ -16,8 +17,8 @@ from app.request.context import RequestContext
 from app.request.handoff_round_trip import PairArgs
 from app.request.routing_inputs import FreshPair
 from app.request.types import ENGINE_TO_API, GenRequest, NotStarted, Progress
-from app.scheduling.admission import IDLE_EPS_MS, Verdict, idle_on_live
-from app.state.handoff import NOT_IDLE, pack_keys, pack_tokens
+from app.scheduling.admission import Verdict, fits_on_live, max_backlog_ms
+from app.state.handoff import OVER_BACKLOG, pack_keys, pack_tokens
 
 
 class HandoffStage(RequestContext):
@@ -65,8 +66,9 @@ class HandoffStage(RequestContext):
         """Hand the prompt to ``wid``'s owner and wait for its reply. With ``pair`` (a fresh id
         and FLEXLB_FRESH_PICK) the hand-off script chooses between ``wid`` and the pair's
         runner-up on both workers' live load, in the same round trip (`HANDOFF_PICK`). An
-        ``admitted`` verdict that `require_idle` (a prompt longer than the cluster SLO) goes
-        only onto an idle worker, judged by the script on the live state (`_not_idle`)."""
+        ``admitted`` verdict goes only onto a worker whose live backlog is within its
+        `max_backlog_ms` (the runner-up's own allowance for it), judged by the script on the live
+        state in the step that queues it (`_over_backlog`)."""
         rid = req.request_id
         # The queue's counter gains exactly what the entry says (`pred`, 3 decimals), which is what
         # the owner takes off at commit: 6 decimals here left ~0.0005 ms per request behind, a
@@ -86,7 +88,7 @@ class HandoffStage(RequestContext):
         packed_keys = pack_keys(space, keys)
         p.t_handoff = time.perf_counter()  # the reply's wait minus the prefill is its queue time
         held = -1
-        idle_eps = IDLE_EPS_MS if admitted is not None and admitted.require_idle else None
+        limit = admitted.max_backlog_ms if admitted is not None else None
         fresh = p.stage == "new"
         moved = False  # the fresh pick sent the request to the policy's runner-up
         # Counted in flight until the round trip answers: requests routed meanwhile on this replica
@@ -101,10 +103,11 @@ class HandoffStage(RequestContext):
                     alt = pair.alt
                     alt_pred = round(alt.predicted_ms, 3)
                     alt_meta = self._meta(req, p, alt.worker_id, alt_pred, alt.hit_tokens, attempt)
-                    args = PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred)
+                    alt_limit = self._alt_limit(req, alt.worker_id, alt_pred, admitted)
+                    args = PairArgs(pair, json.dumps(alt_meta, separators=(",", ":")), alt_pred, alt_limit)
                 try:
                     entry, queued, owed, held, picked = await self._record_and_append(
-                        req, p, wid, meta, predicted, args, packed_keys, idle_eps
+                        req, p, wid, meta, predicted, args, packed_keys, limit
                     )
                 except ApiError:  # refused by the tenant's limit: nothing was queued
                     self.replies.forget(rid)
@@ -118,6 +121,8 @@ class HandoffStage(RequestContext):
                     raise
                 if picked is not None and args is not None:
                     moved = picked.index != 0
+                    if moved:
+                        limit = args.max_backlog
                     wid, predicted, hit_tokens = self._take_pick(p, wid, predicted, args, picked)
             else:
                 entry, queued, owed = await self.handoff.append(
@@ -128,18 +133,18 @@ class HandoffStage(RequestContext):
                     self.settings.max_queue_len,
                     self._scale(wid),
                     packed_keys,
-                    idle_eps,
+                    limit,
                 )
         finally:
             # the answer (or the failure) stands for it from here: no await since the script's reply
             self.fleet.in_flight.answered(sent_to, token)
         now = time.time()
         # the live queue, with this hand-off when it was taken (an entry id, not a refusal)
-        taken = entry is not None and entry != NOT_IDLE
+        taken = entry is not None and entry != OVER_BACKLOG
         self.fleet.note_queued(wid, queued, now, rid if taken else "")
         self.owed_overlay[wid] = (owed, now)
-        if entry == NOT_IDLE and admitted is not None:
-            self._not_idle(req, p, wid, queued, owed, admitted, fresh)
+        if entry == OVER_BACKLOG and admitted is not None:
+            self._over_backlog(req, p, wid, queued, owed, replace(admitted, max_backlog_ms=limit), fresh)
         if entry is None:
             self.replies.forget(rid)
             if fresh:
@@ -194,21 +199,41 @@ class HandoffStage(RequestContext):
         self._log("prefilled", req, p)
         return reply
 
-    def _not_idle(
+    def _alt_limit(
+        self, req: GenRequest, alt: str, alt_pred: float, admitted: Verdict | None
+    ) -> float | None:
+        """The fresh pick's runner-up's own allowance: the admitted budget with its own predicted
+        prefill and time scale (`admission.max_backlog_ms`); None when admission is off."""
+        if admitted is None or admitted.max_backlog_ms is None:
+            return None
+        bc = self.runtime.batcher_config
+        window = bc.wait_ms if bc.mode == "batch" and bc.algorithm == "fixed_window" else 0.0
+        return max_backlog_ms(
+            self.runtime.admission,
+            alt_pred,
+            admitted.budget_ms,
+            window_ms=window,
+            time_scale=self._scale(alt),
+            explicit=bool(req.deadline_ms),
+        )
+
+    def _over_backlog(
         self, req: GenRequest, p: Progress, wid: str, queued: float, owed: float, v: Verdict, fresh: bool
     ) -> None:
-        """A `require_idle` hand-off the script refused: ``wid`` was busy on the live state
-        (``queued`` / ``owed`` ms, without this request), nothing was queued. 429
-        `slo_unattainable`, Retry-After from that live backlog (`admission.idle_on_live`)."""
+        """A hand-off the script refused: ``wid``'s live backlog (``queued`` / ``owed`` ms, without
+        this request) exceeded the request's allowance (``v.max_backlog_ms``: other replicas' hand-
+        offs since our snapshot took the room), nothing was queued. 429 `slo_unattainable`,
+        Retry-After the time that live backlog needs to fall back within it
+        (`admission.fits_on_live`), counted as admission's other refusals are."""
         self.replies.forget(req.request_id)
         self.fleet.note_queued(wid, queued, time.time())
         if fresh:
             self._log("queued", req, p)
-        refused = idle_on_live(self.runtime.admission, v, queued, owed, self._scale(wid))
+        refused = fits_on_live(self.runtime.admission, v, queued, owed, self._scale(wid))
         M.ADMISSION_REJECTIONS.labels("slo_unattainable").inc()
         raise ApiError(
             "slo_unattainable",
-            f"prompt's own prefill exceeds the cluster SLO and {wid} is busy "
-            f"({queued + owed:.0f} ms queued and owed); retry later",
-            retry_after_s=refused.retry_after_s,
+            f"{wid} is busy on the live state ({queued + owed:.0f} ms queued and owed, "
+            f"{v.max_backlog_ms or 0.0:.0f} ms fit this request's deadline); retry later",
+            retry_after_s=max(refused.retry_after_s, self.runtime.admission.retry_after_s),
         )

@@ -297,7 +297,8 @@ class RoutingInputs(RequestContext):
         """SLO admission on the chosen worker (app/scheduling/admission.py), before anything is
         handed off: a request that cannot meet its deadline there gets 429 `slo_unattainable`
         at once instead of queueing where it would miss anyway and delay the rest. Returns the
-        verdict (None when admission is off): one that `require_idle` travels to the hand-off."""
+        verdict (None when admission is off): its `max_backlog_ms` travels to the hand-off, which
+        checks it on the live state."""
         cfg = self.runtime.admission
         if cfg.mode == "off":
             return None
@@ -309,7 +310,8 @@ class RoutingInputs(RequestContext):
         own = choice.predicted_ms or self.runtime.formula.predict_batch(
             [BatchItem(len(req.input_ids), choice.hit_tokens)]
         )
-        wait = expected_batch_wait_ms(view, bc.wait_ms, bc.mode == "batch" and bc.algorithm == "fixed_window")
+        window = bc.mode == "batch" and bc.algorithm == "fixed_window"
+        wait = expected_batch_wait_ms(view, bc.wait_ms, window)
         deadline = req.deadline_ms or bc.slo_ttft_ms * scale
         budget = deadline - (time.perf_counter() - p.t0) * 1000
         # + the gateway's own round trips (hand-off, owner read, reply): a deadline shorter than
@@ -322,6 +324,7 @@ class RoutingInputs(RequestContext):
             batch_wait_ms=wait,
             time_scale=scale,
             explicit=bool(req.deadline_ms),
+            window_ms=bc.wait_ms if window else 0.0,
         )
         if not v.admit:
             M.ADMISSION_REJECTIONS.labels(v.reason).inc()

@@ -40,7 +40,9 @@ __all__ = [
     "AdmissionConfig",
     "Verdict",
     "decide",
-    "idle_on_live",
+    "fits_on_live",
+    "max_backlog_ms",
+    "pick_within",
     "predicted_ttft_ms",
 ]
 
@@ -85,12 +87,16 @@ class Verdict:
     budget_ms: float
     reason: str = ""  # one of REJECT_REASONS when refused
     retry_after_s: float = 0.0
-    # Admitted only if the worker is idle on the live shared state, checked atomically where the
-    # hand-off adds the request's queued ms (`idle_on_live`; live: the hand-off script's
-    # `require_idle`, sim: the cluster's exact state). Set for a prompt whose own prefill exceeds
-    # the cluster SLO: the snapshot this verdict read may be stale (another replica may just have
-    # handed a long prompt or short ones to the same worker).
+    # Admitted only if the worker is idle on the live shared state (`max_backlog_ms` is
+    # `IDLE_EPS_MS`). Set for a prompt whose own prefill exceeds the cluster SLO.
     require_idle: bool = False
+    # The largest live backlog (the worker's modelled queued + owed ms, without this request) at
+    # which the request still fits its budget; None: no check (admission off, or refused). The
+    # verdict read a snapshot up to a poll old plus this origin's overlays: other replicas' hand-
+    # offs since are not in it, so several replicas bursting at one worker would each admit up to
+    # the whole budget. The hand-off script checks it on the live state in the step that queues
+    # the request (`fits_on_live`; live: `HANDOFF`'s `max_backlog`, sim: the cluster's state).
+    max_backlog_ms: float | None = None
 
 
 def predicted_ttft_ms(
@@ -109,6 +115,7 @@ def decide(
     batch_wait_ms: float = 0.0,
     time_scale: float = 1.0,
     explicit: bool = True,
+    window_ms: float | None = None,
 ) -> Verdict:
     """Admit or refuse one request on its chosen worker. `budget_ms` is what is left of its
     deadline (deadline − time already spent), in the caller's clock; ≤ 0 means it is already late.
@@ -124,7 +131,9 @@ def decide(
     deadline is held as it is: shorter than its own prefill, it is refused `deadline_too_short`
     (no retry can meet it). "Nothing waits ahead" judged on `view` alone is a snapshot's
     word: with several replicas it is stale, so such an admission says `require_idle` and the
-    hand-off confirms it on the live state (`idle_on_live`) in the step that queues the request.
+    hand-off confirms it on the live state (`fits_on_live`) in the step that queues the request.
+    Every admission carries its `max_backlog_ms` for that check (``window_ms``: the batcher's
+    window on a busy worker, default ``batch_wait_ms``; see `max_backlog_ms`).
 
     `retry_after_s` on a refusal is the time the worker's predicted backlog needs to fall back
     within the budget, at least the configured floor: a client that honours it comes back when
@@ -139,31 +148,86 @@ def decide(
             return Verdict(False, pred, budget_ms, "deadline_too_short")
         wait = pred - own
         if wait <= 0.0:
-            return Verdict(True, pred, budget_ms, require_idle=True)
+            return Verdict(True, pred, budget_ms, require_idle=True, max_backlog_ms=IDLE_EPS_MS)
         return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait / 1000.0))
-    if cfg.mode == "off" or (pred <= budget_ms * (1.0 + cfg.slack) and budget_ms > 0):
+    if cfg.mode == "off":
         return Verdict(True, pred, budget_ms)
+    if pred <= budget_ms * (1.0 + cfg.slack) and budget_ms > 0:
+        window = batch_wait_ms if window_ms is None else window_ms
+        allow = max_backlog_ms(cfg, prefill_ms, budget_ms, window_ms=window, time_scale=time_scale)
+        return Verdict(True, pred, budget_ms, max_backlog_ms=allow)
     excess_s = max(0.0, pred - max(budget_ms, 0.0)) / 1000.0
     return Verdict(False, pred, budget_ms, "slo_unattainable", max(cfg.retry_after_s, excess_s))
 
 
-def idle_on_live(
+def max_backlog_ms(
+    cfg: AdmissionConfig,
+    prefill_ms: float,
+    budget_ms: float,
+    *,
+    window_ms: float = 0.0,
+    time_scale: float = 1.0,
+    explicit: bool = False,
+) -> float:
+    """The largest live backlog (modelled queued + owed ms, without this request) at which a
+    request of ``prefill_ms`` (modelled) still fits ``budget_ms`` (the caller's clock) on a worker
+    of ``time_scale``: ``budget × (1 + slack) / time_scale − window_ms − prefill_ms``, the
+    inverse of `decide`'s test. ``window_ms`` is what the batcher holds a request on a busy
+    worker; an idle one dispatches at once, so a request that fits only without the window still
+    fits an idle worker (`IDLE_EPS_MS`). A prompt whose own prefill exceeds the budget fits only
+    an idle worker (`IDLE_EPS_MS`), or none (-1) when the deadline is the client's own or
+    already spent: the pair's runner-up of `HANDOFF_PICK` is judged by this too, and may differ
+    from the policy's pick in its cached prefix."""
+    room = budget_ms * (1.0 + cfg.slack) / time_scale - prefill_ms
+    if budget_ms <= 0 or room < 0.0:
+        return -1.0 if explicit or budget_ms <= 0 else IDLE_EPS_MS
+    return max(room - window_ms, IDLE_EPS_MS)
+
+
+def fits_on_live(
     cfg: AdmissionConfig, verdict: Verdict, queued_ms: float, owed_ms: float, time_scale: float = 1.0
 ) -> Verdict:
-    """The second half of a `require_idle` admission, on the worker's live load (modelled queued
-    ms and owed ms, without this request) as the hand-off reads it: `verdict` stands while the
-    worker is idle (≤ `IDLE_EPS_MS`), else the request is refused with Retry-After the time that
-    live backlog needs to drain (at least the configured floor). The live hand-off script applies
-    the same threshold atomically with adding the request's own queued ms, so two origins that
-    both judged the worker idle on a snapshot can no longer both admit a long prompt onto it."""
-    if not verdict.require_idle:
+    """The second half of an admission, on the worker's live load (modelled queued ms and owed
+    ms, without this request) as the hand-off reads it: `verdict` stands while that backlog is at
+    most its `max_backlog_ms`, else the request is refused `slo_unattainable` with Retry-After the
+    time the live backlog needs to fall back within it (at least the configured floor). The live
+    hand-off script applies the same threshold atomically with adding the request's own queued
+    ms, so replicas that each admitted on a snapshot lacking the others' hand-offs can no longer
+    together queue more onto a worker than its deadline allows."""
+    if not verdict.admit or verdict.max_backlog_ms is None:
         return verdict
     backlog = max(0.0, queued_ms) + max(0.0, owed_ms)
-    if backlog <= IDLE_EPS_MS:
+    if backlog <= verdict.max_backlog_ms:
         return verdict
-    wait_s = backlog * time_scale / 1000.0
+    # an idle-only allowance (`IDLE_EPS_MS`) waits for the whole backlog to drain
+    over = backlog - (verdict.max_backlog_ms if verdict.max_backlog_ms > IDLE_EPS_MS else 0.0)
+    wait_s = over * time_scale / 1000.0
     pred = verdict.predicted_ms + backlog * time_scale
     return Verdict(False, pred, verdict.budget_ms, "slo_unattainable", max(cfg.retry_after_s, wait_s))
+
+
+def pick_within(
+    winner: int,
+    loads: tuple[float, float],
+    limits: tuple[float | None, float | None],
+    full: tuple[bool, bool],
+) -> int | None:
+    """`HANDOFF_PICK`'s choice once the policy's ranking on live load chose ``winner`` (0 or 1)
+    between two workers with live backlogs ``loads`` (queued + owed ms) and allowances
+    ``limits`` (`max_backlog_ms`; None: no check), ``full`` those whose queue is at its bound:
+    the winner when it fits, else the other when it fits and is not full (the request is served
+    within its deadline there rather than refused), else None (429 slo_unattainable, nothing
+    written). The script does exactly this in Lua, the simulator calls it."""
+
+    def fits(i: int) -> bool:
+        lim = limits[i]
+        return not full[i] and (lim is None or loads[i] <= lim)
+
+    if fits(winner):
+        return winner
+    if fits(1 - winner):
+        return 1 - winner
+    return None
 
 
 def expected_batch_wait_ms(view: WorkerView, wait_ms: float, batching: bool) -> float:

@@ -166,21 +166,34 @@ class Policy:
         that looked idlest until the next poll (herding). The runner-up is drawn with ``rng`` as
         any choice is; in a near-tie the picker's own tie-breakers (the longest cached prefix)
         decide, so a cache holder keeps its prompt. Pure: ``fresh`` is the caller's read."""
+        return self.second_look_pair(q, workers, first, fresh, rng)[1]
+
+    def second_look_pair(
+        self,
+        q: Any,
+        workers: Sequence[WorkerView],
+        first: Choice,
+        fresh: Callable[[str], tuple[float, float]],
+        rng: random.Random,
+    ) -> tuple[Choice | None, Choice]:
+        """`second_look` with the runner-up it ranked ``first`` against (None when there was
+        none: the answer is then ``first``): the hand-off's SLO check may send the request to the
+        other of the two when the winner has no room for it (`admission.pick_within`)."""
         if self.role != PREFILL or not self.scorers:
-            return first
+            return None, first
         rest = [w for w in workers if w.id != first.worker_id]
         mine = [w for w in workers if w.id == first.worker_id]
         if not rest or not mine:
-            return first
+            return None, first
         try:
             alt = self.choose(q, rest, rng)
         except NoWorker:
-            return first
+            return None, first
         pair = []
         for w in (mine[0], next(v for v in rest if v.id == alt.worker_id)):
             queued, owed = fresh(w.id)
             pair.append(replace(w, queued_ms=queued, owed_ms=owed))
-        return self.choose(q, pair, rng)
+        return alt, self.choose(q, pair, rng)
 
     def rank_decode(self, workers: Sequence[WorkerView]) -> tuple[list[int], list[int]]:
         """For the simulator's decode shortlist: indices of all ``workers`` (unfiltered) best first by

@@ -56,12 +56,10 @@ from typing import Any
 from app.cache.mirror import CacheMirror
 from app.protocol.blocks import hit_blocks_cap
 from app.protocol.codes import EngineStatus
-from app.scheduling.admission import AdmissionConfig, expected_batch_wait_ms, idle_on_live
-from app.scheduling.admission import decide as admission_decide
 from app.scheduling.batcher import Batcher, BatcherConfig, Pending
 from app.scheduling.commit import commit_step, committed_ms, owed_ms
-from app.scheduling.formula import BatchItem
-from app.scheduling.routing import NoWorker, PrefillQuery, overlay_less_prefilled
+from app.scheduling.routing import Choice, NoWorker, PrefillQuery, overlay_less_prefilled
+from app.sim.admit import admit_on_live
 from app.sim.config import SimConfig
 from app.sim.decode_side import DecodeSide
 from app.sim.outcome import ReqState, SimOutcome, build_records, mean_cold_prefill_ms
@@ -75,8 +73,6 @@ __all__ = ["ClusterSim", "SimOutcome", "mean_cold_prefill_ms"]
 
 # Event kinds. At equal times the insertion number orders events, so ties are reproducible.
 _ARRIVAL, _HANDOFF, _TIMER, _PENGINE, _DENGINE, _REPLY, _RELEASE, _POLL, _REFRESH = range(9)
-
-_NO_ADMISSION = AdmissionConfig(mode="off")
 
 # A ledger batch the engine has not started yet: it owes its whole prediction (elapsed 0).
 _NOT_STARTED = float("inf")
@@ -277,40 +273,21 @@ class ClusterSim(DecodeSide):
             self.rejections["prefill_no_worker"] += 1
             self._fail(i, "no_worker")
             return
+        alt: Choice | None = None
+        first = choice
         if self.cfg.fresh_pick and not rep.peer:
-            choice = rep.fresh_pick(q, choice, self._fresh_loads)
+            alt, choice = rep.fresh_pick(q, choice, self._fresh_loads)
         w = self.pindex[choice.worker_id]
         if self.queue_items[w] >= self.cfg.max_queue_len:
             self.rejections["prefill_queue_full"] += 1
             self._fail(i, "overloaded")
             return
-        # SLO admission on the chosen worker, as the live origin does before its hand-off. Peer
-        # imitations run without it: the routers they imitate have none.
-        own_ms = choice.predicted_ms or self.formula.predict_batch([BatchItem(size, choice.hit_tokens)])
-        view = rep.pviews[w]
-        verdict = admission_decide(
-            self.cfg.admission if not rep.peer else _NO_ADMISSION,
-            view,
-            own_ms,
-            self.cfg.slo_ttft_ms - (self.now - tr.arrival_ms) - self.cfg.handoff_latency_ms,
-            batch_wait_ms=expected_batch_wait_ms(view, self.bcfg.wait_ms, self._window_batching),
-            explicit=False,  # trace rows carry no deadline of their own: the cluster SLO
-        )
-        if verdict.require_idle:
-            # A prompt longer than the SLO, admitted on the snapshot when its worker looked idle:
-            # the hand-off script checks that on the live state (here the exact one) in the same
-            # step that queues it, and refuses, writing nothing, when the worker is busy.
-            queued, owed = self._fresh_loads(choice.worker_id)
-            verdict = idle_on_live(self.cfg.admission, verdict, queued, owed)
-            if not verdict.admit:
-                rep.overlay[w] = (queued, self.now)  # what the refusing script's answer says
-                rep.overlay_of[w] = -1
-                rep.note_fresh_owed(w, owed, self.now)
-                rep.pviews[w] = rep.pview(w, self.now)
+        verdict, choice = admit_on_live(self, rep, i, first, alt, choice)
         if not verdict.admit:
             self.rejections[verdict.reason] += 1
             self._fail(i, verdict.reason)
             return
+        w = self.pindex[choice.worker_id]
         st.prefill = w
         st.predicted_ms = choice.predicted_ms
         # The hand-off script: append, add the predicted ms, answer the new queued time.

@@ -105,10 +105,11 @@ class SimReplica:
 
     def fresh_pick(
         self, q: PrefillQuery, choice: Choice, fresh: Callable[[str], tuple[float, float]]
-    ) -> Choice:
-        """`Policy.second_look` (`SimConfig.fresh_pick`) over the candidates the choice was made
-        from, with ``fresh`` the shared state as a hand-off script would read it now."""
-        return self.pstrat.second_look(q, self.pviews, choice, fresh, self.rng)
+    ) -> tuple[Choice | None, Choice]:
+        """`Policy.second_look_pair` (`SimConfig.fresh_pick`) over the candidates the choice was
+        made from, with ``fresh`` the shared state as a hand-off script would read it now: (the
+        runner-up or None, the ranking's winner)."""
+        return self.pstrat.second_look_pair(q, self.pviews, choice, fresh, self.rng)
 
     def _refresh_pool(self) -> None:
         self.routed_since_pool = 0

@@ -17,8 +17,8 @@ from app.state.store import StateStore
 from app.state.text import to_str
 
 GROUP = "owner"
-#: The hand-off scripts' entry id when a `require_idle` hand-off found the worker busy.
-NOT_IDLE = "-2"
+#: The hand-off scripts' entry id when the worker's live backlog exceeded the request's allowance.
+OVER_BACKLOG = "-2"
 REPLY_MAXLEN = 10_000
 
 
@@ -61,13 +61,13 @@ class Handoff:
         max_len: int,
         time_scale: float = 1.0,
         keys: bytes = b"",
-        idle_eps: float | None = None,
+        max_backlog: float | None = None,
     ) -> tuple[str | None, float, float]:
         """Hand a request to the worker's owner; (entry id or None when the queue is full, the
         worker's queued predicted ms after this call, its ledger's owed ms now). `meta` travels
         as one JSON field, the token ids as one binary field, and `keys` (`pack_keys`, when
-        given) as a third. With `idle_eps` only onto an idle worker: `NOT_IDLE` and the live
-        (queued, owed) ms, nothing written, when its backlog exceeds it (scripts.HANDOFF)."""
+        given) as a third. With `max_backlog` (`Verdict.max_backlog_ms`): `OVER_BACKLOG` and the live
+        (queued, owed) ms, nothing written, when the worker's backlog exceeds it (scripts.HANDOFF)."""
         argv: list[Any] = [
             max_len,
             f"{predicted_ms:.6f}",
@@ -76,8 +76,8 @@ class Handoff:
             f"{time_scale:g}",
             keys,
         ]
-        if idle_eps is not None:
-            argv += ["", "", "", f"{idle_eps:g}"]
+        if max_backlog is not None:
+            argv += ["", "", "", repr(float(max_backlog))]
         res = await self.store.run_script(
             "handoff", [self.keys.queue(wid), self.keys.queued_ms(wid), self.keys.ledger(wid)], argv
         )

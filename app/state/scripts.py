@@ -286,14 +286,16 @@ end
 # KEYS: queue STREAM, queued_ms STRING, ledger HASH[, owner lease STRING]; ARGV: max_len,
 # predicted_ms, meta (JSON), ids (packed int32), time_scale[, keys (packed uint64,
 # `handoff.pack_keys`; '' or absent: none)[, group, consumer, lease value]]
-# [, idle_eps]]
+# [, max_backlog]]
 # → {entry_id, queued_ms, owed_ms} | {-1, queued_ms, owed_ms} refused at the queue bound (429
 # overloaded); with a consumer named: {entry_id, queued_ms, owed_ms, own, others} (_OWN_READ).
-# `idle_eps` (ARGV[10]; group, consumer and lease value '' when the caller owns nothing): the
-# request may only go to an idle worker (`admission.Verdict.require_idle`, a prompt longer than the
-# cluster SLO): when the live queued ms + owed ms exceed it, nothing is written and the answer is
-# {-2, queued_ms, owed_ms} (429 slo_unattainable, Retry-After from that backlog). Checked and
-# added in one step: two origins can no longer both admit a long prompt on the same idle worker.
+# `max_backlog` (ARGV[10]; group, consumer and lease value '' when the caller owns nothing): the
+# largest live backlog (modelled ms) at which the request still meets its deadline
+# (`admission.Verdict.max_backlog_ms`; `IDLE_EPS_MS` for a prompt longer than the cluster SLO):
+# when the live queued ms + owed ms exceed it, nothing is written and the answer is {-2,
+# queued_ms, owed_ms} (429 slo_unattainable, Retry-After from that backlog). Checked and added in
+# one step: origins that each admitted on a snapshot lacking the others' hand-offs can no longer
+# together queue more onto a worker than the deadline allows.
 # The hand-off and the queued-time bump are one atomic step, so the answer the origin overlays on
 # its snapshot is exactly what the queue holds (DESIGN §3 step 6); the ledger's owed time comes
 # back with it, so the origin's view of the worker is fresh as of this round trip, other
@@ -353,12 +355,16 @@ return {id, q, owed_ms()}
 # ARGV: max_len, ids, meta_a, meta_b, pred_a, pred_b, scale_a, scale_b, u0_a, cq_a, co_a, u0_b,
 #       cq_b, co_b, sign, tie_pct, tie_abs, tie_winner (1|2), worker id of B, keys (as HANDOFF; may be
 #       ''), hw_a, hc_a, hw_b, hc_b (a utility's hinge: + hw * max(0, hc + queued + owed); absent = 0)
-#       [, group, consumer_a, lease value_a, consumer_b, lease value_b[, idle_eps]]
+#       [, group, consumer_a, lease value_a, consumer_b, lease value_b[, max_backlog_a,
+#       max_backlog_b]]
 # → {entry_id | -1 | -2, queued_ms, owed_ms (of the winner), winner (1|2), queued_a, owed_a,
 #    queued_b, owed_b[, own, others (the winner's, when the caller owns it)]} — -1 when both queues
-#    are full (429 overloaded), then winner 1; -2 with `idle_eps` (as HANDOFF's; the five before it
-#    '' when the caller owns neither) when the winner's live queued + owed ms exceed it: nothing
-#    written (429 slo_unattainable).
+#    are full (429 overloaded), then winner 1; `max_backlog_a` / `_b` (as HANDOFF's, one per
+#    candidate: their predicted prefills differ; the five before them '' when the caller owns
+#    neither): when the ranking's winner's live queued + owed ms exceed its own, the other goes
+#    if it is not full and within its own (served within the deadline there rather than refused;
+#    `admission.pick_within`, which the simulator calls), else -2 with the ranking's winner's
+#    load: nothing written (429 slo_unattainable).
 HANDOFF_PICK = (
     _NOW_MS
     + _OWED_OF
@@ -399,11 +405,20 @@ if fa then w = 2 elseif fb then w = 1 else
   if ua >= best - slack and ub >= best - slack then w = tonumber(ARGV[18])
   elseif ua >= ub then w = 1 else w = 2 end
 end
-if ARGV[30] and ARGV[30] ~= '' then
-  local qw, ow = qa, oa
-  if w == 2 then qw, ow = qb, ob end
-  if qw + ow > tonumber(ARGV[30]) then
-    return {-2, txt(qw), o3(ow), w, loads[1], loads[2], loads[3], loads[4]}
+if (ARGV[30] and ARGV[30] ~= '') or (ARGV[31] and ARGV[31] ~= '') then
+  local function fits(i)
+    if (i == 1 and fa) or (i == 2 and fb) then return false end
+    local lim = ARGV[29 + i]
+    if not lim or lim == '' then return true end
+    if i == 1 then return qa + oa <= tonumber(lim) end
+    return qb + ob <= tonumber(lim)
+  end
+  if not fits(w) then
+    if fits(3 - w) then w = 3 - w else
+      local qw, ow = qa, oa
+      if w == 2 then qw, ow = qb, ob end
+      return {-2, txt(qw), o3(ow), w, loads[1], loads[2], loads[3], loads[4]}
+    end
   end
 end
 local k = 0
