@@ -166,27 +166,7 @@ async def test_handoff_pick_script_decides_as_fresh_pair(redis_url: str, cluster
         # a full queue is no candidate, whatever the ranking says; both full: refused (-1)
         await r.delete(keys.queue(a), keys.queue(b))
         await r.xadd(keys.queue(a), {"m": "{}"})
-        args = [
-            1,
-            b"ids",
-            "{}",
-            "{}",
-            "1",
-            "1",
-            "1",
-            "1",
-            "0",
-            "0",
-            "0",
-            "-1000",
-            "0",
-            "0",
-            "-1",
-            "0",
-            "0",
-            1,
-            b,
-        ]
+        args = _plain_pick_args(b)
         ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
         ks += [keys.ledger(b), keys.request("none")]
         res = await st.run_script("handoff_pick", ks, args)
@@ -271,27 +251,7 @@ async def test_handoff_pick_holds_each_candidate_to_its_own_max_backlog(redis_ur
         await r.set(keys.queued_ms(b), "0")
         await r.xadd(keys.queue(b), {"m": "{}"})
         ks = [keys.queue(a), keys.queued_ms(a), keys.ledger(a), keys.queue(b), keys.queued_ms(b)]
-        args = [
-            1,
-            b"ids",
-            "{}",
-            "{}",
-            "1",
-            "1",
-            "1",
-            "1",
-            "0",
-            "0",
-            "0",
-            "-1000",
-            "0",
-            "0",
-            "-1",
-            "0",
-            "0",
-            1,
-            b,
-        ]
+        args = _plain_pick_args(b)
         args += [b"", "0", "0", "0", "0", "", "", "", "", "", "500", "500"]
         res = await st.run_script("handoff_pick", [*ks, keys.ledger(b), keys.request("x")], args)
         assert res[0] == -2 and int(res[3]) == 1 and await r.xlen(keys.queue(a)) == 0
@@ -459,3 +419,9 @@ async def test_handoff_pick_rides_in_a_limited_tenants_gate(shared_embedded_redi
         if left:
             await r.delete(*left)
         await r.aclose()
+
+
+def _plain_pick_args(b: str) -> list[object]:
+    """`HANDOFF_PICK`'s arguments up to the worker id of B, for a pick with no utilities, no
+    preference between the two, nothing cached and one-entry queue bounds."""
+    return [1, b"ids", "{}", "{}", "1", "1", "1", "1", "0", "0", "0", "-1000", "0", "0", "-1", "0", "0", 1, b]
