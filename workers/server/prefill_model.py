@@ -67,8 +67,7 @@ class PrefillModel(StreamBase):
         await self._wait_unhung()
         loop = asyncio.get_running_loop()
         sub = Subscriber(loop)
-        arrival = self.runner.model_now()
-        pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub, arrival))
+        pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub))
         if replay is not None:
             if replay:  # its results ride on `accepted` (§4.2): one event instead of two
                 yield _accepted(p_results(self.epoch, batch_id, replay, final=True), pos)
@@ -153,13 +152,11 @@ class PrefillModel(StreamBase):
         return out
 
     def _submit_prefill(
-        self, batch_id: str, reqs: list[PrefillRequest], sub: Subscriber, arrival: float | None = None
+        self, batch_id: str, reqs: list[PrefillRequest], sub: Subscriber
     ) -> tuple[int, list[PrefillResult] | None]:
-        """On the engine thread. `arrival`: the modelled time the batch reached this process; it
-        starts then (when the engine is free), not when this thread got to it."""
         core = self.core
         assert isinstance(core, PrefillEngine)
-        now = self.runner.model_now() if arrival is None else arrival
+        now = self.runner.model_now()
         known = batch_id in core._batches
         if known:
             done = core._batches[batch_id].phase == "done"
@@ -177,7 +174,7 @@ class PrefillModel(StreamBase):
         self._route(out.effects)
         # What is due now (a zero-time batch's end) is delivered before `accepted` is sent, not at
         # the engine thread's next wake-up, so both can travel as one event.
-        self._route(core.advance_to(self.runner.model_now()))
+        self._route(core.advance_to(now))
         return out.queue_position, None
 
     def _prefill_request(
