@@ -305,7 +305,7 @@ async def test_a_batch_whose_members_were_all_cancelled_while_queued_leaves_no_s
     """The owner keeps each batch's size (`_batch_sizes`, for its replies and for the ledger audit,
     which skips batches it is still dispatching) until the batch's call ends. A batch whose only
     member was tombstoned while queued (its origin cancelled it) is dropped at the commit and never
-    sent: its size stayed for the dispatcher's life (bench/leak_probe.py: ~0.5 entries per 1,000
+    sent: its size stayed for the dispatcher's life (bench/leak_probe.py: 0.5-1.2 entries per 1,000
     requests, without bound). R is queued behind a running batch G (one batch in flight at a
     time), then cancelled by its origin's tombstone."""
     p = clients["prefill"][0]

@@ -82,7 +82,7 @@ async def test_a_reads_entries_are_delivered_once(redis_url: str, cluster: str) 
 async def test_a_reply_nobody_waits_for_is_dropped_after_its_ttl(redis_url: str, cluster: str) -> None:
     """A request that ends before its reply comes (client gone, cancelled: `forget`) leaves the
     reply with nobody to take it. Parked replies are kept `early_ttl_s`: before, they stayed until
-    10,000 had piled up (~8 per 1,000 requests under bench/leak_probe.py's mix, ~1.5 KiB each), so
+    10,000 had piled up (~8 per 1,000 requests under bench/leak_probe.py's mix, ~1 KiB each), so
     a replica's memory grew for hours. Real Redis: the replies come through the stream, as an
     owner on another replica writes them (`HandoffStore.reply_and_settle`)."""
     keys = Keys(cluster)

@@ -346,7 +346,7 @@ class OwnerDispatcher(OwnerClaims, OwnerAdopt, OwnerLedger, OwnerIntake):
         if not live:
             # Every member cancelled while queued: nothing is sent, so the `finally` below that
             # forgets the batch's size never runs. Kept, the entry stayed for the owner's life
-            # (~0.5 per 1,000 requests with 4 % cancels, bench/leak_probe.py).
+            # (0.5-1.2 per 1,000 requests with 2 % cancels, bench/leak_probe.py).
             self.timeline.forget(batch_id)
             self._batch_sizes.pop(batch_id, None)
             return None

@@ -52,7 +52,7 @@ class ReplyRouter:
         self._waiting: dict[str, asyncio.Future[dict[str, str]]] = {}
         # Arrived with nobody waiting: (when, reply). A request expects its reply before its
         # hand-off, so these are nearly all replies to requests that ended first (client gone,
-        # cancelled, failed): kept `early_ttl_s`, not until 10,000 had piled up (~1.5 KiB each;
+        # cancelled, failed): kept `early_ttl_s`, not until 10,000 had piled up (~1 KiB each;
         # ~8 per 1,000 requests with 3 % disconnects and 4 % cancels, bench/leak_probe.py).
         self._early: dict[str, tuple[float, dict[str, str]]] = {}
         self.early_ttl_s = early_ttl_s
