@@ -24,7 +24,9 @@ def _reachable() -> list[object]:
     """Every object reachable from the modules, the threads' frames and the young generations.
     `gc.get_objects()` alone misses what the gateway's start-up `gc.freeze()` moved to the
     permanent generation: the replica, its pipeline, reply router and views among them."""
-    roots: list[object] = [sys.modules, *sys._current_frames().values(), *gc.get_objects()]
+    me = threading.get_ident()  # not this walk's own frame: `out` would hold it in a cycle
+    frames = [f for tid, f in sys._current_frames().items() if tid != me]
+    roots: list[object] = [sys.modules, *frames, *gc.get_objects()]
     seen: set[int] = set()
     out: list[object] = []
     stack = roots
@@ -83,6 +85,7 @@ def _rss_kib() -> int:
 
 def _snap(folder: str, label: str) -> None:
     gc.collect()
+    rss = _rss_kib()  # before the walk's own allocations
     objs = gc.get_objects()
     hist = collections.Counter(type(o).__name__ for o in objs)
     n = len(objs)
@@ -95,11 +98,12 @@ def _snap(folder: str, label: str) -> None:
             break
         except Exception as e:  # a dict changed size under the walk: walk again (noted)
             errors.append(repr(e))
+    gc.collect()  # whatever the walk left in cycles, before tracemalloc's snapshot
     doc = {
         "label": label,
         "t": time.time(),
         "pid": os.getpid(),
-        "rss_kib": _rss_kib(),
+        "rss_kib": rss,
         "gc_objects": n,
         "gc_counts": gc.get_count(),
         "freeze_count": gc.get_freeze_count(),
