@@ -297,3 +297,36 @@ async def test_the_sweep_settles_batches_of_every_older_epoch(
         await rig.close(d)
         await p.close()
         own.stop()
+
+
+async def test_a_batch_whose_members_were_all_cancelled_while_queued_leaves_no_size(
+    clients, shared_embedded_redis
+) -> None:
+    """The owner keeps each batch's size (`_batch_sizes`, for its replies and for the ledger audit,
+    which skips batches it is still dispatching) until the batch's call ends. A batch whose only
+    member was tombstoned while queued (its origin cancelled it) is dropped at the commit and never
+    sent: its size stayed for the dispatcher's life (bench/leak_probe.py: 0.5-1.2 entries per 1,000
+    requests, without bound). R is queued behind a running batch G (one batch in flight at a
+    time), then cancelled by its origin's tombstone."""
+    p = clients["prefill"][0]
+    await p.configure(formula=SLOW)
+    rig = await _rig(shared_embedded_redis, p, "t-sizes-drop")
+    d: OwnerDispatcher | None = None
+    try:
+        await rig.take_over()
+        d = _owner(rig, p)
+        d.start()
+        g = await rig.hand_off(10.0)
+        await rig.at_commit_of(g, "")  # G runs 1.5 s: R waits behind it
+        r = await rig.hand_off(10.0)
+        await rig.store.tombstone(rig.wid, r, 60_000)  # the origin's cancel (app/request/endings.py)
+        got = await rig.replies([r, g])
+        assert (got[r], got[g]) == ("cancelled", "ok"), got
+
+        async def idle() -> bool:
+            return not d._inflight and not d._handling  # type: ignore[union-attr]
+
+        await _poll(idle, "the owner done with both batches")
+        assert d._batch_sizes == {}
+    finally:
+        await rig.close(d)

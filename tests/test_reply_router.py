@@ -77,3 +77,41 @@ async def test_a_reads_entries_are_delivered_once(redis_url: str, cluster: str) 
         await router.stop()
         await r.delete(keys.replies(replica))
         await r.aclose()
+
+
+async def test_a_reply_nobody_waits_for_is_dropped_after_its_ttl(redis_url: str, cluster: str) -> None:
+    """A request that ends before its reply comes (client gone, cancelled: `forget`) leaves the
+    reply with nobody to take it. Parked replies are kept `early_ttl_s`: before, they stayed until
+    10,000 had piled up (~8 per 1,000 requests under bench/leak_probe.py's mix, ~1 KiB each), so
+    a replica's memory grew for hours. Real Redis: the replies come through the stream, as an
+    owner on another replica writes them (`HandoffStore.reply_and_settle`)."""
+    keys = Keys(cluster)
+    replica = f"gw-{uuid.uuid4().hex[:6]}"
+    key = keys.replies(replica)
+    router = ReplyRouter(redis_url, keys, replica, early_ttl_s=0.3)
+    r = aioredis.from_url(redis_url)
+    await router.start()
+    try:
+
+        async def reply_to(rid: str) -> None:
+            router.forget(rid)  # as the pipeline's `finally` does for a request that ended
+            await r.xadd(key, {"rid": rid, "status": "ok", "att": "1"})
+            end = time.monotonic() + 10
+            while rid not in router._early:
+                assert time.monotonic() < end, "the reply was never read"
+                await asyncio.sleep(0.01)
+
+        gone = [f"gone-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+        for rid in gone:
+            await reply_to(rid)
+        await asyncio.sleep(0.35)  # past their TTL (wall clock: the TTL is the router's own)
+        late = f"late-{uuid.uuid4().hex[:6]}"
+        await reply_to(late)
+        assert list(router._early) == [late], "replies past their TTL still parked"
+        fut = router.expect(late)  # one that is waited for within its TTL is still delivered
+        assert fut.done() and fut.result()["rid"] == late
+        assert router._early == {}
+    finally:
+        await asyncio.wait_for(router.stop(), 5)
+        await r.delete(key)
+        await r.aclose()
