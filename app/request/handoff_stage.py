@@ -207,7 +207,7 @@ class HandoffStage(RequestContext):
         if admitted is None or admitted.max_backlog_ms is None:
             return None
         bc = self.runtime.batcher_config
-        window = bc.wait_ms if bc.mode == "batch" and bc.algorithm == "fixed_window" else 0.0
+        window = bc.wait_ms if bc.holds_window else 0.0
         return max_backlog_ms(
             self.runtime.admission,
             alt_pred,
@@ -225,8 +225,7 @@ class HandoffStage(RequestContext):
         offs since our snapshot took the room), nothing was queued. 429 `slo_unattainable`,
         Retry-After the time that live backlog needs to fall back within it
         (`admission.fits_on_live`), counted as admission's other refusals are."""
-        self.replies.forget(req.request_id)
-        self.fleet.note_queued(wid, queued, time.time())
+        self.replies.forget(req.request_id)  # the overlay already holds this answer (`_prefill`)
         if fresh:
             self._log("queued", req, p)
         refused = fits_on_live(self.runtime.admission, v, queued, owed, self._scale(wid))

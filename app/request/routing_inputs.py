@@ -310,7 +310,7 @@ class RoutingInputs(RequestContext):
         own = choice.predicted_ms or self.runtime.formula.predict_batch(
             [BatchItem(len(req.input_ids), choice.hit_tokens)]
         )
-        window = bc.mode == "batch" and bc.algorithm == "fixed_window"
+        window = bc.holds_window
         wait = expected_batch_wait_ms(view, bc.wait_ms, window)
         deadline = req.deadline_ms or bc.slo_ttft_ms * scale
         budget = deadline - (time.perf_counter() - p.t0) * 1000

@@ -65,6 +65,12 @@ class BatcherConfig:
     guard_ms: float = 5.0
     starvation_ms: float = 2000.0  # a waiting item joins the top waiting class after this; 0 = never
 
+    @property
+    def holds_window(self) -> bool:
+        """A busy worker's requests may wait up to `wait_ms` before dispatch (a fixed window in
+        batch mode): the batch wait that admission adds, live and in the simulator alike."""
+        return self.mode == "batch" and self.algorithm == "fixed_window"
+
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}")

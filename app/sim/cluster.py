@@ -117,7 +117,7 @@ class ClusterSim(DecodeSide):
         ]
         predict = self.formula.predict_batch
         self.batchers = [Batcher(batcher, predict) for _ in range(np_)]
-        self._window_batching = batcher.mode == "batch" and batcher.algorithm == "fixed_window"
+        self._window_batching = batcher.holds_window
         # "Redis": gateway-side shared state.
         self.queued_ms = [0.0] * np_  # hand-off queue's predicted ms per prefill worker
         self.queue_items = [0] * np_
