@@ -276,6 +276,7 @@ async def lg_e2e(
     gw_url: list[int] = []  # which of `urls` answered each of gw_ms (they alternate)
     gw_codes: Counter[str] = Counter()
     dir_codes: Counter[str] = Counter()
+    dir_cpu_s = 0.0  # this process's CPU (all threads) while it made the direct calls: nothing else runs
     try:
         async with _client(8) as client:
             for i in range(n):
@@ -288,7 +289,9 @@ async def lg_e2e(
                     gw_url.append(i % len(urls))
                 ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.int32)
                 rid = f"direct-{seed}-{i}-{uuid.uuid4().hex[:6]}"
+                c0 = time.process_time()
                 ms, code = await _direct_one(pcs[i % len(pcs)], dcs[i % len(dcs)], rid, ids, max_new)
+                dir_cpu_s += time.process_time() - c0
                 dir_codes[code] += 1
                 if code == "ok":
                     dir_ms.append(ms)
@@ -302,6 +305,57 @@ async def lg_e2e(
         "direct_ms": dir_ms,
         "gateway_codes": dict(gw_codes),
         "direct_codes": dict(dir_codes),
+        "direct_client_cpu_ms": dir_cpu_s * 1000 / max(1, len(dir_ms)),
+    }
+
+
+async def lg_direct_closed(
+    prefill: list[tuple[str, str]],
+    decode: list[tuple[str, str]],
+    concurrency: int,
+    duration: float,
+    n_tokens: int,
+    max_new: int,
+    seed: int,
+) -> dict[str, Any]:
+    """`concurrency` clients making the gateway's two gRPC calls straight to the workers
+    (`_direct_one`) in a closed loop: the CPU those calls alone cost the product's client
+    (`WorkerClient`, grpc.aio) per request, the floor under the gateway's own CPU per request."""
+    from app.rpc.worker_client import WorkerClient
+
+    pcs = [(WorkerClient(a), e, a) for a, e in prefill]
+    dcs = [(WorkerClient(a), e) for a, e in decode]
+    loop = asyncio.get_running_loop()
+    codes: Counter[str] = Counter()
+    try:
+        stop_at = loop.time() + duration
+        c0, t0 = time.process_time(), loop.time()
+
+        async def worker(k: int) -> None:
+            rng = np.random.default_rng([seed, k])
+            i = 0
+            while loop.time() < stop_at:
+                ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.int32)
+                rid = f"dclosed-{seed}-{k}-{i}-{uuid.uuid4().hex[:6]}"
+                _, code = await _direct_one(pcs[k % len(pcs)], dcs[k % len(dcs)], rid, ids, max_new)
+                codes[code] += 1
+                i += 1
+
+        tasks = [asyncio.create_task(worker(k)) for k in range(concurrency)]
+        _, pending = await asyncio.wait(tasks, timeout=duration + REQUEST_TIMEOUT_S + 5)
+        for t in pending:
+            t.cancel()
+        cpu_s, wall_s = time.process_time() - c0, loop.time() - t0
+    finally:
+        for c in [p[0] for p in pcs] + [d[0] for d in dcs]:
+            with contextlib.suppress(Exception):
+                await c.close()
+    n = sum(codes.values())
+    return {
+        "concurrency": concurrency,
+        "rps": n / wall_s if wall_s else 0.0,
+        "client_cpu_ms_per_req": cpu_s * 1000 / max(1, n),
+        "codes": dict(codes),
     }
 
 
@@ -322,6 +376,7 @@ LG_OPS = {
     "closed_loop": lg_closed_loop,
     "e2e": lg_e2e,
     "sequential": lg_sequential,
+    "direct_closed": lg_direct_closed,
 }
 
 

@@ -21,6 +21,7 @@ def e2e_latency(res: dict[str, Any]) -> dict[str, Any]:
         "gateway_p99_ms": r3(pct(g, 99)),
         "direct_p50_ms": r3(pct(d, 50)),
         "direct_p99_ms": r3(pct(d, 99)),
+        "direct_client_cpu_ms": r3(res["direct_client_cpu_ms"]) if "direct_client_cpu_ms" in res else None,
         "added_p50_ms": r3(pct(g, 50) - pct(d, 50)),
         "added_p99_ms": r3(pct(g, 99) - pct(d, 99)),
         # Per replica the requests were sent to (`gateway_url`: FlexLB's sequential phase): with 2

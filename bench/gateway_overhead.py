@@ -317,6 +317,24 @@ class Bench:
             **self.cores(c0, c1),
         }
 
+    def direct_closed(self, seed: int) -> dict[str, Any]:
+        """The gateway's two gRPC calls straight to the workers at the closed loop's first
+        concurrency (the load generator's own CPU per request: the floor of the gRPC share)."""
+        p = self.plan
+        pre = [(w.info["address"], w.info["epoch"]) for w in self.live_workers("prefill")]
+        dec = [(w.info["address"], w.info["epoch"]) for w in self.live_workers("decode")]
+        return self.lg.call(
+            "direct_closed",
+            p.closed_s + REQUEST_TIMEOUT_S + 60,
+            prefill=pre,
+            decode=dec,
+            concurrency=p.concurrency[0],
+            duration=p.closed_s,
+            n_tokens=PROMPT_TOKENS,
+            max_new=MAX_NEW_TOKENS,
+            seed=seed,
+        )
+
     def closed_loop(self, seed: int) -> list[dict[str, Any]]:
         p = self.plan
         rows = []

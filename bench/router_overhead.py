@@ -214,7 +214,10 @@ def measure(b: Any, seed: int) -> dict[str, Any]:
     """One system's run: the sequential pairs, then the closed loop."""
     e2e = b.phase("end-to-end", b.e2e, seed) if isinstance(b, Bench) else b.e2e(seed)
     closed = b.closed_loop(seed + 1)[0]
-    return {"e2e": e2e, "closed": closed, "loadavg": round(os.getloadavg()[0], 2)}
+    out = {"e2e": e2e, "closed": closed, "loadavg": round(os.getloadavg()[0], 2)}
+    if isinstance(b, Bench):  # the floor under FlexLB's CPU: its two gRPC calls alone, 32 in flight
+        out["direct_closed"] = b.direct_closed(seed + 2)
+    return out
 
 
 def by_path(b: Any, ownership: dict[str, str], e2e: dict[str, Any]) -> dict[str, float]:
@@ -245,6 +248,8 @@ FIGURES = {
     "cores_cl": "closed.gateways_cores",
     "redis_cores_cl": "closed.redis_cores",
     "rps_cl": "closed.rps",
+    "dcpu_seq": "e2e.direct_client_cpu_ms",
+    "dcpu_cl": "direct_closed.client_cpu_ms_per_req",
     "loadavg": "loadavg",
 }
 
@@ -296,6 +301,17 @@ def table(summary: dict[str, dict[str, Any]], clients: int) -> str:
             f"{_f(m['rps_cl'], 0)} | {_f(m['direct_p50'])} ms | {m['errors']} |"
         )
     return "\n".join(lines)
+
+
+def floor_lines(summary: dict[str, dict[str, Any]], clients: int) -> str:
+    """Under the table: what FlexLB's two gRPC calls alone cost a client (the floor of its CPU)."""
+    return "\n".join(
+        f"{FLEX_LABELS[s]}: its two gRPC calls alone (prefill then decode, the product's "
+        f"`WorkerClient` straight to the workers) cost the client {_f(m['dcpu_seq'])} ms CPU "
+        f"per request sequential / {_f(m['dcpu_cl'])} ms at {clients} in flight."
+        for s, m in summary.items()
+        if s in FLEXLB and m.get("dcpu_seq") is not None
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -362,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (a.output / "results.json").write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n")
     (a.output / "table.md").write_text(md + "\n")
     print(md)
+    if floors := floor_lines(doc["medians"], a.clients):
+        (a.output / "floor.md").write_text(floors + "\n")
+        print(floors)
     console.print(
         f"{a.runs} run(s), load average before/after {doc['config']['loadavg_before']} / "
         f"{doc['loadavg_after']}; "

@@ -45,6 +45,10 @@ def test_router_overhead_quick_flexlb_rows(
         assert m["cpu_seq"] is not None and m["cpu_cl"] > 0  # idle-netted may dip, never the loaded one
         assert m["redis_seq"] is not None and m["redis_cl"] > 0  # idle-netted, as cpu_seq: may dip
         assert 0 < m["cores_cl"] <= doc["config"]["cpus"] and m["rps_cl"] > 0
+        # the floor under the CPU figures: the same two gRPC calls alone, every one answered
+        floor = doc["runs"][system][0]["direct_closed"]
+        assert set(floor["codes"]) == {"ok"} and floor["client_cpu_ms_per_req"] > 0
+        assert m["dcpu_seq"] is not None and m["dcpu_seq"] > 0
     table = (out / "table.md").read_text().splitlines()
     assert table[0].startswith("| system | added p50 | added p99 | router CPU per request (sequential / 32")
     assert [r.split(" | ")[0] for r in table[2:]] == [
@@ -53,3 +57,4 @@ def test_router_overhead_quick_flexlb_rows(
     ]
     assert all("+ Redis" in r for r in table[2:])
     assert "|" in run.stdout and "FlexLB, 2 replicas" in run.stdout  # the table is printed
+    assert (out / "floor.md").read_text().count("its two gRPC calls alone") == 2
