@@ -22,6 +22,12 @@ from typing import Any, Protocol, TypeVar
 log = logging.getLogger("flexlb.worker.runner")
 T = TypeVar("T")
 
+# How long a core's deferred work (`advance_early`: a completed prefill batch's cache inserts) waits
+# while the thread sleeps: long enough for the results, routed first, to cross this process's
+# threads without waiting for the GIL behind that work (~1-1.5 ms here); a command arriving
+# meanwhile settles it at once.
+SETTLE_S = 0.002
+
 
 class Core(Protocol):
     def advance_to(self, t: float) -> list[Any]: ...
@@ -76,6 +82,8 @@ class EngineRunner:
         self._stopping = False
         self.lag_ms = 0.0  # how far behind the modelled schedule the thread woke (wall ms)
         self.max_lag_ms = 0.0
+        # Results before the work that does not change them (PrefillEngine.advance_early).
+        self._early: Callable[[float], list[Any]] | None = getattr(core, "advance_early", None)
 
     # ---- clock ---------------------------------------------------------------------------
     def model_now(self) -> float:
@@ -134,7 +142,9 @@ class EngineRunner:
                 self.lag_ms = (now - nt) * self.time_scale
                 self.max_lag_ms = max(self.max_lag_ms, self.lag_ms)
             try:
-                self._emit(self.core.advance_to(now))
+                self._emit(self._early(now) if self._early is not None else self.core.advance_to(now))
+                if batch and self._unsettled():  # commands see the core settled
+                    self._emit(self.core.advance_to(now))
             except Exception:  # a core bug must not kill the engine thread silently
                 log.exception("engine advance failed")
             for fn, fut in batch:
@@ -157,9 +167,14 @@ class EngineRunner:
             waits.append((nt - self.model_now()) * self.time_scale / 1000.0)
         if self.tick_ms is not None and getattr(self.core, "has_running", lambda: False)():
             waits.append(self.tick_ms / 1000.0)
+        if self._unsettled():
+            waits.append(SETTLE_S)
         if not waits:
             return 0.5  # idle: wake now and then so stopping is prompt
         return max(0.0, min(waits))
+
+    def _unsettled(self) -> bool:
+        return bool(getattr(self.core, "unsettled", False))
 
     def _emit(self, effects: list[Any]) -> None:
         if effects and self.on_effects is not None:
