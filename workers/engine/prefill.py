@@ -223,10 +223,10 @@ class PrefillEngine:
         return self._advance(t, early=False)
 
     def advance_early(self, t: float) -> list[Effect]:
-        """`advance_to`, but it returns right after a batch completes, before the batch's cache
-        work (~0.5-1 ms for 8 x 8K here): the driver routes the results first. The next mutator
-        or `advance_*` does the work at the completion's modelled time (the same outcome as
-        `advance_to`); until then `unsettled` is True and the views do not show it yet."""
+        """`advance_to`, but it returns right after a batch completes with none queued, before
+        the batch's cache work (~0.5-1 ms for 8 x 8K here): the driver routes the results first.
+        The next mutator or `advance_*` does the work at the completion's modelled time (the
+        same outcome as `advance_to`); until then `unsettled` is True and views do not show it."""
         return self._advance(t, early=True)
 
     @property
@@ -246,7 +246,7 @@ class PrefillEngine:
             self.now = max(self.now, nxt)
             if self._running is not None and self._running.end_ms <= nxt:
                 effects.extend(self._complete(self._running))
-                if early:
+                if early and not self._queue:  # a queued batch waits for the work: no deferral
                     return effects  # self.now stays at the completion: `_settle` works there
                 self._cache_work()
             while (rid := self.handles.pop_due(self.now)) is not None:
