@@ -78,7 +78,10 @@ class EngineRunner:
         self.on_tick = on_tick  # after every wake-up (decode flushes coalesced chunks here)
         self._wall0 = time.monotonic()
         self._model0 = 0.0
-        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any]] | None] = queue.SimpleQueue()
+        # (command, its future, the modelled time it was queued at)
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any], float] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stopping = False
         self.lag_ms = 0.0  # how far behind the modelled schedule the thread woke (wall ms)
@@ -107,7 +110,7 @@ class EngineRunner:
     # ---- API for infer functions ---------------------------------------------------------
     def call_sync(self, fn: Callable[[], T]) -> cf.Future[T]:
         fut: cf.Future[T] = cf.Future()
-        self._cmds.put((fn, fut))
+        self._cmds.put((fn, fut, self.model_now()))
         return fut
 
     async def call(self, fn: Callable[[], T]) -> T:
@@ -142,13 +145,18 @@ class EngineRunner:
             if nt is not None and nt <= now:
                 self.lag_ms = (now - nt) * self.time_scale
                 self.max_lag_ms = max(self.max_lag_ms, self.lag_ms)
+            # Commands see the core as of the first one's arrival, not of when this thread got to
+            # them (it may have been busy, e.g. settling a completion's cache work): a prefill
+            # batch starts at its arrival (prefill_model.py). What is due after it is advanced
+            # to on the next turn, at once.
+            t = min(now, min((c[2] for c in batch), default=now))
             try:
-                self._emit(self._early(now) if self._early is not None else self.core.advance_to(now))
+                self._emit(self._early(t) if self._early is not None else self.core.advance_to(t))
                 if batch and self._unsettled():  # commands see the core settled
-                    self._emit(self.core.advance_to(now))
+                    self._emit(self.core.advance_to(t))
             except Exception:  # a core bug must not kill the engine thread silently
                 log.exception("engine advance failed")
-            for fn, fut in batch:
+            for fn, fut, _ in batch:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
