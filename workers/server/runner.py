@@ -78,8 +78,9 @@ class EngineRunner:
         self.on_tick = on_tick  # after every wake-up (decode flushes coalesced chunks here)
         self._wall0 = time.monotonic()
         self._model0 = 0.0
-        # (command, its future, the modelled time it was queued at)
-        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any], float] | None] = (
+        # (command, its future, the modelled time it was queued at); () wakes the thread only
+        # (`wake`), None stops it
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any], float] | tuple[()] | None] = (
             queue.SimpleQueue()
         )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
@@ -116,6 +117,12 @@ class EngineRunner:
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call_sync(fn))
 
+    def wake(self) -> None:
+        """Any thread: advance the core now (a real engine's compute ended). Not a command, so
+        it does not settle deferred work early (`advance_early`): the results it completes
+        still leave before that work."""
+        self._cmds.put(())
+
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
@@ -139,7 +146,8 @@ class EngineRunner:
                 if nxt is None:
                     self._stopping = True
                     break
-                batch.append(nxt)
+                if nxt:
+                    batch.append(nxt)
             now = self.model_now()
             nt = self.core.next_event_time()
             if nt is not None and nt <= now:
