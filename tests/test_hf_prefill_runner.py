@@ -33,6 +33,7 @@ from workers.engine.profiles import formula_profile
 from workers.server.runner import EngineRunner
 
 BS = 16
+Engine = tuple[EngineRunner, HfPrefillEngine, "queue.Queue[Any]", list[bool]]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> HfModel:
 
 
 @pytest.fixture
-def engine(model: HfModel) -> Iterator[tuple[EngineRunner, HfPrefillEngine, queue.Queue[Any]]]:
-    """Wired as hf_service.py wires it: the runner's clock, its wake-up from the compute thread."""
+def engine(model: HfModel) -> Iterator[Engine]:
+    """Wired as hf_service.py wires it: the runner's clock, its wake-up from the compute thread.
+    `deferred`: per engine-thread turn that emitted results, whether their cache work was left
+    for later (`core.unsettled` when the turn ended)."""
     results: queue.Queue[Any] = queue.Queue()
     holder: list[EngineRunner] = []
     core = HfPrefillEngine(
@@ -56,15 +59,24 @@ def engine(model: HfModel) -> Iterator[tuple[EngineRunner, HfPrefillEngine, queu
         kv_capacity_tokens=32_768,
     )
 
+    emitted: list[bool] = []
+
     def on_effects(effects: list[Any]) -> None:
         for e in effects:
             if isinstance(e, PrefillResult):
+                emitted.append(True)
                 results.put(e)
 
-    runner = EngineRunner(core, on_effects=on_effects)
+    def on_tick() -> None:  # after each engine-thread turn: was a turn's results' work deferred?
+        if emitted:
+            emitted.clear()
+            deferred.append(core.unsettled)
+
+    deferred: list[bool] = []
+    runner = EngineRunner(core, on_effects=on_effects, on_tick=on_tick)
     holder.append(runner)
     runner.start()
-    yield runner, core, results
+    yield runner, core, results, deferred
     runner.stop()
 
 
@@ -98,9 +110,9 @@ def greedy_first(model: HfModel, p: tuple[int, ...]) -> int:
 
 
 def test_a_batch_on_the_engine_thread_is_computed_settled_and_its_blocks_serve_a_prefix_hit(
-    engine: tuple[EngineRunner, HfPrefillEngine, queue.Queue[Any]], model: HfModel
+    engine: Engine, model: HfModel
 ) -> None:
-    runner, core, results = engine
+    runner, core, results, deferred = engine
     prompts = {"a": prompt(40, 1), "b": prompt(70, 2)}
     submit(runner, core, "first", prompts)
     got = take(results, 2)
@@ -113,6 +125,9 @@ def test_a_batch_on_the_engine_thread_is_computed_settled_and_its_blocks_serve_a
         return core.unsettled, sorted(core.handles.pinned), set(core._blocks)
 
     unsettled, pinned, stored = runner.call_sync(view).result(5)
+    # The turn that completed the batch (woken by the compute thread) left its cache work for
+    # later: the wake-up is not a command, which would have settled it in the same turn.
+    assert deferred == [True]
     assert not unsettled and pinned == ["a", "b"]
     assert stored == set(block_keys(prompts["a"], BS)) | set(block_keys(prompts["b"], BS))
 
