@@ -133,3 +133,25 @@ def test_insert_and_shrink_match_the_one_block_at_a_time_rules(capacity_blocks: 
             assert sorted(d.added) == sorted(k for k, a in net.items() if a)
             assert sorted(d.removed) == sorted(k for k, a in net.items() if not a)
         assert step < 5 or cache.version > 0
+
+
+def test_a_new_capacity_bounds_the_diff_log_at_once_and_keeps_its_newest_entries() -> None:
+    """The log is a bounded deque (its floor is `version - len(log)`): a capacity change (the
+    `configure` of kv_capacity_tokens) re-bounds it, the newest entries kept, so a diff from a
+    version still in it stays incremental and one from before it is a full snapshot."""
+    bs = 4
+    cache = PrefixCache(10_000 * bs, bs)  # limit 20,000 entries
+    for i in range(3):
+        cache.insert(list(range(i * 1000, (i + 1) * 1000)), pin=False, budget_tokens=10_000 * bs)
+    assert cache.version == 3000 and len(cache._log) == 3000 and cache._log_floor == 0
+    cache.capacity_tokens = 100 * bs  # limit max(DIFF_LOG_MIN, 200) = 1,024 entries
+    assert len(cache._log) == DIFF_LOG_MIN
+    assert cache._log_floor == 3000 - DIFF_LOG_MIN
+    assert list(cache._log)[-1] == (3000, True, 2999)
+    d = cache.diff_since(3000 - DIFF_LOG_MIN)
+    assert not d.full and sorted(d.added) == list(range(3000 - DIFF_LOG_MIN, 3000))
+    assert cache.diff_since(3000 - DIFF_LOG_MIN - 1).full
+    cache.insert([10**9], pin=False, budget_tokens=10_000 * bs)  # still bounded after growing
+    assert len(cache._log) == DIFF_LOG_MIN and cache._log_floor == 3001 - DIFF_LOG_MIN
+    cache.capacity_tokens = 10_000 * bs  # a larger limit keeps everything there is
+    assert len(cache._log) == DIFF_LOG_MIN and cache._log_floor == 3001 - DIFF_LOG_MIN

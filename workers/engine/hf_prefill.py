@@ -128,8 +128,12 @@ class HfPrefillEngine(PrefillEngine):
                 return self._done_at  # its compute ended: complete it now
         return super().next_event_time()
 
-    def advance_to(self, t: float) -> list[Effect]:
-        effects: list[Effect] = []
+    def _advance(self, t: float, *, early: bool) -> list[Effect]:
+        """Both entry points come here (`advance_to`, and `advance_early`, which the worker's
+        engine thread calls): an ended compute gives its batch the measured end, a started batch
+        gets its forward pass, then the core completes what is due. Settled first, so a batch
+        that the previous completion's deferred work starts is computed in this same call."""
+        effects = self._settle()
         if not self.faults.hang:
             if self._inflight is not None and self._inflight[2].done():
                 effects.extend(self._finish_compute())
@@ -139,7 +143,7 @@ class HfPrefillEngine(PrefillEngine):
                 effects.extend(self._start_compute(b))
         self._advancing = True
         try:
-            effects.extend(super().advance_to(t))
+            effects.extend(super()._advance(t, early=early))
         finally:
             self._advancing = False
         return effects
@@ -255,8 +259,9 @@ class HfPrefillEngine(PrefillEngine):
         return effects
 
     def _complete(self, b: Any) -> list[Effect]:
+        """The results, each OK one's KV held for its handle. Which blocks the cache takes is
+        known only after the core's cache work (`_cache_work`, deferred by `advance_early`)."""
         effects = super()._complete(b)
-        bs = self.block_size
         for e in effects:
             if not isinstance(e, PrefillResult):
                 continue
@@ -265,11 +270,23 @@ class HfPrefillEngine(PrefillEngine):
                 continue
             first, kv, sampling = out
             self._held_kv[e.request_id] = HeldKv(e.request_id, kv, first, sampling)
-            for i, key in enumerate(self.handles.pinned[e.request_id].keys):
-                if key not in self._blocks:
-                    self._blocks[key] = kv[:, :, :, i * bs : (i + 1) * bs].clone()
-        self._sync_blocks()
         return effects
+
+    def _cache_work(self) -> None:
+        """The core's cache work, then the block store follows it: each new handle's blocks that
+        the cache took get their KV slice (a key already stored keeps its tensor), and evicted
+        keys lose theirs. Part of the deferred work: the results leave before these copies."""
+        done = [rid for _, work in self._unsettled for rid, _, expiry in work if expiry >= 0]
+        super()._cache_work()
+        bs = self.block_size
+        for rid in done:
+            held, pinned = self._held_kv.get(rid), self.handles.pinned.get(rid)
+            if held is None or pinned is None:
+                continue
+            for i, key in enumerate(pinned.keys):
+                if key not in self._blocks:
+                    self._blocks[key] = held.kv[:, :, :, i * bs : (i + 1) * bs].clone()
+        self._sync_blocks()
 
     def _finish(
         self,

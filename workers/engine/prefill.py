@@ -68,6 +68,9 @@ class PrefillEngine:
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # id -> expiry
         self.history: deque[PrefillResult] = deque()
         self._exit_sent = False
+        # A completed batch's cache work (blocks inserted and pinned for its KV handles, its
+        # compute released) when `advance_early` left it for the next call; see `_settle`.
+        self._unsettled: list[tuple[Batch, list[tuple[str, Member, float]]]] = []
 
     # ---- inputs --------------------------------------------------------------------------
     def submit(self, batch_id: str, requests: Sequence[PrefillRequest], now: float) -> SubmitOutcome:
@@ -184,7 +187,7 @@ class PrefillEngine:
     def reset(self, now: float) -> list[Effect]:
         """Forget all work and cache (tests reuse one worker); seq and cache version keep
         increasing so pollers never see a number twice."""
-        effects: list[Effect] = []
+        effects: list[Effect] = self._settle()
         for b in [*([self._running] if self._running else []), *self._queue]:
             for rid in list(b.members):
                 effects.extend(self._cancel_member(b, rid))
@@ -217,7 +220,22 @@ class PrefillEngine:
         return None if t == INF else t
 
     def advance_to(self, t: float) -> list[Effect]:
-        effects: list[Effect] = []
+        return self._advance(t, early=False)
+
+    def advance_early(self, t: float) -> list[Effect]:
+        """`advance_to`, but it returns right after a batch completes with none queued, before
+        the batch's cache work (~0.5-1 ms for 8 x 8K here): the driver routes the results first.
+        The next mutator or `advance_*` does the work at the completion's modelled time (the
+        same outcome as `advance_to`); until then `unsettled` is True and views do not show it."""
+        return self._advance(t, early=True)
+
+    @property
+    def unsettled(self) -> bool:
+        """A completed batch's cache work is still to be done (`advance_early`)."""
+        return bool(self._unsettled)
+
+    def _advance(self, t: float, *, early: bool) -> list[Effect]:
+        effects = self._settle()
         if self.faults.hang:
             self.now = max(self.now, t)
             return effects
@@ -228,10 +246,25 @@ class PrefillEngine:
             self.now = max(self.now, nxt)
             if self._running is not None and self._running.end_ms <= nxt:
                 effects.extend(self._complete(self._running))
+                if early and not self._queue:  # a queued batch waits for the work: no deferral
+                    return effects  # self.now stays at the completion: `_settle` works there
+                self._cache_work()
             while (rid := self.handles.pop_due(self.now)) is not None:
                 effects.append(self._unpin(rid, "expired"))
             effects.extend(self._pump())
         self.now = max(self.now, t)
+        return effects
+
+    def _settle(self) -> list[Effect]:
+        """The cache work `advance_early` left, then the rest of the completion's instant as
+        `_advance` would have done it: handles due by then expire, the next batch starts."""
+        if not self._unsettled:
+            return []
+        self._cache_work()
+        effects: list[Effect] = []
+        while (rid := self.handles.pop_due(self.now)) is not None:
+            effects.append(self._unpin(rid, "expired"))
+        effects.extend(self._pump())
         return effects
 
     # ---- views ---------------------------------------------------------------------------
@@ -360,17 +393,19 @@ class PrefillEngine:
         return effects
 
     def _complete(self, b: Batch) -> list[Effect]:
+        """The batch's results; its cache work is queued for `_cache_work` (the results do not
+        depend on it, and the fault draws and the insert order are the same either way)."""
         effects: list[Effect] = []
         self._running = None
-        self._held -= b.compute_tokens
         b.phase = "done"
+        work: list[tuple[str, Member, float]] = []  # expiry < 0: a failed member (unpin only)
         for rid, m in b.members.items():
             if m.done:
                 continue
             m.done = True
             self._req_batch.pop(rid, None)
             if self.faults.error_rate > 0 and self._rng.random() < self.faults.error_rate:
-                self.cache.unpin(m.hit_keys)
+                work.append((rid, m, -1.0))
                 effects.append(
                     self._finish(
                         b.batch_id,
@@ -383,12 +418,8 @@ class PrefillEngine:
                     )
                 )
                 continue
-            present = self.cache.insert(m.req.block_keys, pin=True, budget_tokens=self.capacity - self._held)
-            self.cache.unpin(m.hit_keys)
-            outside = m.req.input_tokens - len(present) * self.block_size
-            self._held += outside
             expiry = self.now + self.kv_handle_ttl_ms
-            self.handles.pin(rid, Pinned(present, outside, expiry))
+            work.append((rid, m, expiry))
             effects.append(
                 self._finish(
                     b.batch_id,
@@ -401,6 +432,7 @@ class PrefillEngine:
                     expiry,
                 )
             )
+        self._unsettled.append((b, work))
         effects.append(BatchDone(b.batch_id, self.now))
         self.batches_done += 1
         if (
@@ -411,6 +443,25 @@ class PrefillEngine:
             self._exit_sent = True
             effects.append(ExitRequested(self.now))
         return effects
+
+    def _cache_work(self) -> None:
+        """Completed batches' KV: their compute is released, each finished member's blocks are
+        inserted (pinned for its KV handle; what does not fit stays held outside the cache) and
+        its prefix hits unpinned."""
+        pending, self._unsettled = self._unsettled, []
+        for b, work in pending:
+            self._held -= b.compute_tokens
+            for rid, m, expiry in work:
+                if expiry < 0:
+                    self.cache.unpin(m.hit_keys)
+                    continue
+                present = self.cache.insert(
+                    m.req.block_keys, pin=True, budget_tokens=self.capacity - self._held
+                )
+                self.cache.unpin(m.hit_keys)
+                outside = m.req.input_tokens - len(present) * self.block_size
+                self._held += outside
+                self.handles.pin(rid, Pinned(present, outside, expiry))
 
     def _cancel_member(self, b: Batch, rid: str) -> list[Effect]:
         m = b.members.get(rid)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress, islice, repeat
+from operator import not_
 
 DIFF_LOG_LIMIT = 100_000
 # The log keeps at most this many entries per block the cache can hold (and at least
@@ -37,8 +39,9 @@ class PrefixCache:
         self._lru: OrderedDict[int, int] = OrderedDict()  # key -> pin count; oldest first
         self._pinned_blocks = 0
         self.version = 0
-        self._log: deque[tuple[int, bool, int]] = deque()  # (version, added?, key)
-        self._log_floor = 0  # versions <= floor are no longer in the log
+        # (version, added?, key), bounded: the oldest entries fall off as new ones are appended.
+        # Versions are consecutive, so the log holds exactly (version - len(log), version].
+        self._log: deque[tuple[int, bool, int]] = deque(maxlen=self._log_limit)
 
     @property
     def capacity_tokens(self) -> int:
@@ -50,6 +53,14 @@ class PrefixCache:
         self._log_limit = min(
             DIFF_LOG_LIMIT, max(DIFF_LOG_MIN, DIFF_LOG_PER_BLOCK * (tokens // max(1, self.block_size)))
         )
+        log = getattr(self, "_log", None)
+        if log is not None and log.maxlen != self._log_limit:
+            self._log = deque(log, maxlen=self._log_limit)  # keeps the newest entries
+
+    @property
+    def _log_floor(self) -> int:
+        """Versions <= this are no longer in the diff log."""
+        return self.version - len(self._log)
 
     # ---- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -115,13 +126,41 @@ class PrefixCache:
         cache stays within `budget_tokens` (capacity minus KV held outside the cache). Returns the
         keys actually present afterwards (a block that cannot fit is not cached).
 
-        Hot: a finished 8 x 8K batch inserts 1,024 blocks, evicting as many from a full cache, on
-        the engine thread before its results leave, so the loop keeps its state in locals and
-        trims the diff log once at the end (the same log and floor as trimming per entry)."""
+        Hot: a finished 8 x 8K batch inserts 1,024 blocks on the engine thread before its results
+        leave. The usual shape is a cached prefix, then new blocks that fit (the batch's start made
+        room for its compute, `shrink_to`): the prefix is touched key by key, the new tail goes in
+        with C-level bulk operations (~10x faster than the loop); anything else (a tail that needs
+        evictions, repeats a key or meets a cached one) takes the per-key loop, with the same
+        result either way (order, pins, versions, diff log)."""
         present: list[int] = []
         lru = self._lru
-        log = self._log.append
         budget_blocks = max(0, budget_tokens // self.block_size)
+        h = 0
+        for k in keys:  # the cached prefix (a prefix hit stops at the first miss)
+            if k not in lru:
+                break
+            h += 1
+        rest = keys[h:] if h else keys
+        if h:
+            self._insert_each(keys[:h], pin, budget_blocks, present)
+        fresh = dict.fromkeys(rest, 1 if pin else 0)
+        n = len(rest)
+        if n and len(fresh) == n and len(lru) + n <= budget_blocks and lru.keys().isdisjoint(fresh):
+            lru.update(fresh)
+            if pin:
+                self._pinned_blocks += n
+            v = self.version
+            self._log.extend(zip(range(v + 1, v + n + 1), repeat(True), rest))
+            self.version = v + n
+            present.extend(rest)
+        elif n:
+            self._insert_each(rest, pin, budget_blocks, present)
+        return present
+
+    def _insert_each(self, keys: Sequence[int], pin: bool, budget_blocks: int, present: list[int]) -> None:
+        """`insert`'s per-key loop: touches cached keys, evicts for new ones (state in locals)."""
+        lru = self._lru
+        log = self._log.append
         v = self.version
         try:
             for k in keys:
@@ -151,28 +190,21 @@ class PrefixCache:
                 present.append(k)
         finally:
             self.version = v
-            self._trim_log()
-        return present
 
     def shrink_to(self, budget_tokens: int) -> None:
-        """Evict unpinned blocks until the cache fits `budget_tokens`."""
-        budget_blocks = max(0, budget_tokens // self.block_size)
+        """Evict unpinned blocks, least recently used first, until the cache fits `budget_tokens`
+        (or only pinned ones are left). One C-level pass picks them: a full cache evicts 1,024
+        blocks here for every 8 x 8K batch it starts."""
         lru = self._lru
-        if len(lru) <= budget_blocks:
+        excess = len(lru) - max(0, budget_tokens // self.block_size)
+        if excess <= 0:
             return
-        log = self._log.append
+        victims = list(islice(compress(lru.keys(), map(not_, lru.values())), excess))
+        for k in victims:
+            del lru[k]
         v = self.version
-        try:
-            while len(lru) > budget_blocks:
-                old = self._oldest_unpinned()
-                if old is None:
-                    break
-                del lru[old]
-                v += 1
-                log((v, False, old))
-        finally:
-            self.version = v
-            self._trim_log()
+        self._log.extend(zip(range(v + 1, v + len(victims) + 1), repeat(False), victims))
+        self.version = v + len(victims)
 
     def clear(self) -> None:
         for k in list(self._lru):
@@ -192,16 +224,6 @@ class PrefixCache:
     def _record(self, added: bool, key: int) -> None:
         self.version += 1
         self._log.append((self.version, added, key))
-        self._trim_log()
-
-    def _trim_log(self) -> None:
-        log = self._log
-        extra = len(log) - self._log_limit
-        if extra <= 0:
-            return
-        for _ in range(extra - 1):
-            log.popleft()
-        self._log_floor = log.popleft()[0]
 
     # ---- diffs ---------------------------------------------------------------------------
     def diff_since(self, since_version: int | None) -> CacheDiff:

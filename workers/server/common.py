@@ -82,11 +82,18 @@ class StreamBase:
 
     async def _next(self, sub: Subscriber) -> tuple[str, Any] | None:
         """Next effect for a stream; None when the worker is stopping (PyTriton's stop waits for
-        every generator) or the engine produced nothing for `stream_idle_timeout_s`."""
+        every generator) or the engine produced nothing for `stream_idle_timeout_s`.
+
+        Waits with `asyncio.timeout` in the calling task: `wait_for` ran the queue's `get` as a
+        task of its own, so an item woke the stream's generator a loop turn or two later (every
+        event of every stream pays it)."""
         idle = 0.0
         while not self.stopping.is_set():
+            if not sub.queue.empty():
+                return sub.queue.get_nowait()
             try:
-                return await asyncio.wait_for(sub.queue.get(), 0.5)
+                async with asyncio.timeout(0.5):
+                    return await sub.queue.get()
             except TimeoutError:
                 idle += 0.5
                 if idle >= self.cfg.stream_idle_timeout_s:

@@ -85,8 +85,8 @@ class HfWorkerService(WorkerService):
         return self.runner.model_now()
 
     def _wake(self) -> None:
-        """From the compute thread: an empty command wakes the engine thread to complete a batch."""
-        self.runner.call_sync(lambda: None)
+        """From the compute thread: the engine thread wakes to complete the computed batch."""
+        self.runner.wake()
 
     def _kv_fetch_handler(self) -> Any:
         return self._fetch_local

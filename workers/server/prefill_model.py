@@ -67,7 +67,8 @@ class PrefillModel(StreamBase):
         await self._wait_unhung()
         loop = asyncio.get_running_loop()
         sub = Subscriber(loop)
-        pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub))
+        arrival = self.runner.model_now()
+        pos, replay = await self.runner.call(lambda: self._submit_prefill(batch_id, reqs, sub, arrival))
         if replay is not None:
             if replay:  # its results ride on `accepted` (§4.2): one event instead of two
                 yield _accepted(p_results(self.epoch, batch_id, replay, final=True), pos)
@@ -152,11 +153,13 @@ class PrefillModel(StreamBase):
         return out
 
     def _submit_prefill(
-        self, batch_id: str, reqs: list[PrefillRequest], sub: Subscriber
+        self, batch_id: str, reqs: list[PrefillRequest], sub: Subscriber, arrival: float | None = None
     ) -> tuple[int, list[PrefillResult] | None]:
+        """On the engine thread. `arrival`: the modelled time the batch reached this process; it
+        starts then (when the engine is free), not when this thread got to it."""
         core = self.core
         assert isinstance(core, PrefillEngine)
-        now = self.runner.model_now()
+        now = self.runner.model_now() if arrival is None else arrival
         known = batch_id in core._batches
         if known:
             done = core._batches[batch_id].phase == "done"
@@ -174,7 +177,7 @@ class PrefillModel(StreamBase):
         self._route(out.effects)
         # What is due now (a zero-time batch's end) is delivered before `accepted` is sent, not at
         # the engine thread's next wake-up, so both can travel as one event.
-        self._route(core.advance_to(now))
+        self._route(core.advance_to(self.runner.model_now()))
         return out.queue_position, None
 
     def _prefill_request(

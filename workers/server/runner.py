@@ -22,6 +22,13 @@ from typing import Any, Protocol, TypeVar
 log = logging.getLogger("flexlb.worker.runner")
 T = TypeVar("T")
 
+# How long a core's deferred work (`advance_early`: a completed prefill batch's cache inserts, only
+# when no batch waits for them) waits while the thread sleeps: long enough for the results, routed
+# first, to leave this process and its stub without that work taking the GIL or a core from them
+# (~2-5 ms on a loaded 2-core box; at 2 ms the work still met the results' ZMQ send). Nothing
+# observes the wait: a command arriving meanwhile settles first, at the completion's modelled time.
+SETTLE_S = 0.005
+
 
 class Core(Protocol):
     def advance_to(self, t: float) -> list[Any]: ...
@@ -71,11 +78,17 @@ class EngineRunner:
         self.on_tick = on_tick  # after every wake-up (decode flushes coalesced chunks here)
         self._wall0 = time.monotonic()
         self._model0 = 0.0
-        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any]] | None] = queue.SimpleQueue()
+        # (command, its future, the modelled time it was queued at); () wakes the thread only
+        # (`wake`), None stops it
+        self._cmds: queue.SimpleQueue[tuple[Callable[[], Any], cf.Future[Any], float] | tuple[()] | None] = (
+            queue.SimpleQueue()
+        )
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._stopping = False
         self.lag_ms = 0.0  # how far behind the modelled schedule the thread woke (wall ms)
         self.max_lag_ms = 0.0
+        # Results before the work that does not change them (PrefillEngine.advance_early).
+        self._early: Callable[[float], list[Any]] | None = getattr(core, "advance_early", None)
 
     # ---- clock ---------------------------------------------------------------------------
     def model_now(self) -> float:
@@ -98,11 +111,17 @@ class EngineRunner:
     # ---- API for infer functions ---------------------------------------------------------
     def call_sync(self, fn: Callable[[], T]) -> cf.Future[T]:
         fut: cf.Future[T] = cf.Future()
-        self._cmds.put((fn, fut))
+        self._cmds.put((fn, fut, self.model_now()))
         return fut
 
     async def call(self, fn: Callable[[], T]) -> T:
         return await asyncio.wrap_future(self.call_sync(fn))
+
+    def wake(self) -> None:
+        """Any thread: advance the core now (a real engine's compute ended). Not a command, so
+        it does not settle deferred work early (`advance_early`): the results it completes
+        still leave before that work."""
+        self._cmds.put(())
 
     # ---- engine thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -127,17 +146,25 @@ class EngineRunner:
                 if nxt is None:
                     self._stopping = True
                     break
-                batch.append(nxt)
+                if nxt:
+                    batch.append(nxt)
             now = self.model_now()
             nt = self.core.next_event_time()
             if nt is not None and nt <= now:
                 self.lag_ms = (now - nt) * self.time_scale
                 self.max_lag_ms = max(self.max_lag_ms, self.lag_ms)
+            # Commands see the core as of the first one's arrival, not of when this thread got to
+            # them (it may have been busy, e.g. settling a completion's cache work): a prefill
+            # batch starts at its arrival (prefill_model.py). What is due after it is advanced
+            # to on the next turn, at once.
+            t = min(now, min((c[2] for c in batch), default=now))
             try:
-                self._emit(self.core.advance_to(now))
+                self._emit(self._early(t) if self._early is not None else self.core.advance_to(t))
+                if batch and self._unsettled():  # commands see the core settled
+                    self._emit(self.core.advance_to(t))
             except Exception:  # a core bug must not kill the engine thread silently
                 log.exception("engine advance failed")
-            for fn, fut in batch:
+            for fn, fut, _ in batch:
                 if not fut.set_running_or_notify_cancel():
                     continue
                 try:
@@ -157,9 +184,14 @@ class EngineRunner:
             waits.append((nt - self.model_now()) * self.time_scale / 1000.0)
         if self.tick_ms is not None and getattr(self.core, "has_running", lambda: False)():
             waits.append(self.tick_ms / 1000.0)
+        if self._unsettled():
+            waits.append(SETTLE_S)
         if not waits:
             return 0.5  # idle: wake now and then so stopping is prompt
         return max(0.0, min(waits))
+
+    def _unsettled(self) -> bool:
+        return bool(getattr(self.core, "unsettled", False))
 
     def _emit(self, effects: list[Any]) -> None:
         if effects and self.on_effects is not None:
