@@ -35,6 +35,20 @@ from _gw_cluster import KV_TTL_ARGS, WORKER_ARGS, setup_cluster
 from _harness import ROOT, Proc, console, start_workers
 
 HOOK = ROOT / "bench" / "_leak_hook"
+MEM_SHOWN = {  # the allocator figures printed per phase (all of them go to results.json)
+    "uordblks",
+    "fordblks",
+    "arena",
+    "hblkhd",
+    "arenas",
+    "Threads",
+    "RssAnon",
+    "py_arenas",
+    "py_alloc_bytes",
+    "trim_ms",
+    "RssAnon_trimmed",
+    "fordblks_trimmed",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,6 +66,17 @@ def parse_args() -> argparse.Namespace:
         help="the workers' KV (a small one fills the cache mirror, which it bounds, within the run)",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--trim", action="store_true", help="malloc_trim(0) after each snapshot's figures, then measure again"
+    )
+    p.add_argument("--no-walk", action="store_true", help="skip the container walk (its peak stays in RSS)")
+    p.add_argument(
+        "--gateway-env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="extra environment for the gateway (and workers), e.g. MALLOC_ARENA_MAX=2, PYTHONMALLOC=malloc",
+    )
     return p.parse_args()
 
 
@@ -193,6 +218,13 @@ def main() -> int:
     os.environ["LEAK_DIR"] = str(snaps)
     if args.tracemalloc:
         os.environ["LEAK_TRACEMALLOC"] = "1"
+    if args.trim:
+        os.environ["LEAK_TRIM"] = "1"
+    if args.no_walk:
+        os.environ["LEAK_WALK"] = "0"
+    for kv_env in args.gateway_env:
+        k, _, v = kv_env.partition("=")
+        os.environ[k] = v
     phases = [int(x) for x in args.phases.split(",")]
     cluster = f"leak-{uuid.uuid4().hex[:8]}"
     from app.state.embedded_redis import start_embedded_redis
@@ -230,6 +262,8 @@ def main() -> int:
                 f"phase {k}: {n} req in {wall:.1f} s, served {served}, objects {s['gc_objects']}, "
                 f"rss {s['rss_kib']} KiB, tm {s.get('tracemalloc_kib')} KiB, codes {load.codes}"
             )
+            m = s.get("mem", {})
+            console.print(f"  mem {json.dumps({k: v for k, v in m.items() if k in MEM_SHOWN})}")
         rows = []
         for a, b in itertools.pairwise(snaps_got):
             per = (b["served"] - a["served"]) / 1000
@@ -242,6 +276,11 @@ def main() -> int:
                     "tm_kib_per_1k": round(
                         (b.get("tracemalloc_kib", 0) - a.get("tracemalloc_kib", 0)) / per, 2
                     ),
+                    "mem_kib_per_1k": {
+                        k: round((b["mem"][k] - a["mem"].get(k, 0)) / per, 1)
+                        for k in b.get("mem", {})
+                        if k in a.get("mem", {}) and not k.startswith(("Threads", "arenas", "trim_"))
+                    },
                     "types_per_1k": diff(a["hist"], b["hist"], per, 15),
                     "containers_per_1k": diff(a["sizes"], b["sizes"], per, 15),
                     "tracemalloc_per_1k": tm_diff(snaps, a["label"], b["label"], per),

@@ -258,3 +258,57 @@ async def test_a_stream_that_breaks_under_an_abandoned_call_ends_cleanly() -> No
     finally:
         await c.close()
         await server.wait_closed()
+
+
+async def test_streams_to_a_hung_worker_are_cancelled_once_nobody_listens(monkeypatch) -> None:
+    """A worker that accepts and never answers (the real TCP listener of the test above): each
+    poll past its deadline retires its stream and the next opens another. Those streams never
+    ended (the worker never ends them): one kept per timed-out call for as long as the hang lasts
+    (bench/leak_probe.py: ~350 streams and ~30K gc objects in 13 min with a wedged decode worker).
+    Now a retired stream nobody listens on is cancelled `ABANDONED_S` after its retirement; one
+    whose caller still waits (within its deadline) is kept until that caller gives up."""
+    monkeypatch.setattr(mux_stream, "ABANDONED_S", 0.3)
+    conns: list[asyncio.StreamWriter] = []
+
+    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    c = WorkerClient(f"127.0.0.1:{port}", mux=True)
+    try:
+        mux = c._mux[W.CONTROL_MODEL]
+        for _ in range(3):  # an owner's polls, each past its deadline
+            with pytest.raises(WorkerUnavailable) as exc:
+                await c.control({"op": "status"}, timeout=0.2)
+            assert exc.value.timed_out
+        assert mux.opened == 3
+        streams = list(mux._live)
+        assert streams, "the timed-out calls' streams are still live right after their deadlines"
+        deadline = time.monotonic() + 5
+        while mux._live:
+            assert time.monotonic() < deadline, f"{len(mux._live)} streams to a hung worker never end"
+            await asyncio.sleep(0.05)
+        assert all(s.reaped and s.broken == "abandoned" and not s.waiting for s in streams)
+
+        # a caller still waiting keeps its retired stream until its own deadline
+        monkeypatch.setattr(mux_stream, "MAX_AGE_S", 0.1)  # retired at once, its caller waiting
+        t0 = time.monotonic()
+        call = asyncio.create_task(c.control({"op": "status"}, timeout=1.5))
+        await asyncio.sleep(0.8)  # retired at 0.1 s; `ABANDONED_S` passed twice since
+        (s,) = mux._live
+        assert not s.open and not s.reaped and not call.done()
+        with pytest.raises(WorkerUnavailable) as exc:
+            await call
+        assert exc.value.timed_out and time.monotonic() - t0 >= 1.4
+        deadline = time.monotonic() + 5
+        while not s.reader.done():
+            assert time.monotonic() < deadline, "abandoned after its caller's deadline, never cancelled"
+            await asyncio.sleep(0.05)
+        assert s.reaped and not mux._live
+    finally:
+        await c.close()
+        server.close()
+        for w in conns:
+            w.transport.abort()
+        await server.wait_closed()

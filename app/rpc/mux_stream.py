@@ -32,6 +32,12 @@ What makes a shared stream safe (docs/benchmarks.md, "Issue #20, third pass"):
   The abandoned call still counts as in flight on its stream until its final (or error) response
   arrives: a decode stream is not handed to the next decode while the last one's tokens are still
   coming, which would queue the new call's tokens behind them.
+- **A worker that never answers.** A retired stream ends when the worker ends it; one that hangs
+  (alive, accepting, answering nothing) never does, and each poll past its deadline retires its
+  stream, so the next opens another: ~1 stream (its gRPC call, reader task, timers, queues) kept
+  per timed-out call for as long as the hang lasted (bench/leak_probe.py, a wedged decode worker:
+  ~350 streams and ~30K gc objects in 13 min). So a retired stream on which nobody listens any
+  more (every call in it ended or abandoned) is cancelled `ABANDONED_S` after its retirement.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from tritonclient.grpc import service_pb2
 
 MAX_AGE_S = 2.0  # a stream takes new calls this long at most: bounds a worker's stop under polling
 IDLE_S = 0.5  # a stream with no call this long is half-closed
+ABANDONED_S = 5.0  # a retired stream nobody listens on is cancelled this long after retirement
 SHARE = 4  # calls in flight on every open stream before another is opened
 POOL = 8  # open streams per model at most; beyond, calls share the least busy
 _FINAL = "triton_final_response"
@@ -83,6 +90,7 @@ class _Stream:
         self.broken = ""  # why the stream ended (under its calls or not), once it did
         self.last_used = asyncio.get_running_loop().time()
         self.timers: list[asyncio.TimerHandle] = []
+        self.reaped = False  # cancelled by `_reap` (tests, diagnostics)
         self._outbox: asyncio.Queue[service_pb2.ModelInferRequest | None] = asyncio.Queue()
         self.reader = asyncio.create_task(self._read())
         self._writer = asyncio.create_task(self._write())
@@ -117,6 +125,20 @@ class _Stream:
             self._outbox.put_nowait(None)
             for t in self.timers:
                 t.cancel()
+            self.timers = [asyncio.get_running_loop().call_later(ABANDONED_S, self._reap)]
+
+    def _reap(self) -> None:
+        """Cancel the retired stream if it has not ended and nobody listens on it: its calls all
+        ended or were abandoned (their callers gave up: a deadline, a cancel), so only a late
+        response from a slow or hung worker could still come, and none is wanted. A caller
+        still listening keeps it (bounded by its own deadline, or by the stream)."""
+        if self.reader.done():
+            return
+        if any(q is not None for q in self.waiting.values()):
+            self.timers = [asyncio.get_running_loop().call_later(ABANDONED_S, self._reap)]
+            return
+        self.reaped = True
+        self.call.cancel()
 
     def _fail(self, reason: str) -> None:
         self.open = False
@@ -161,7 +183,7 @@ class _Stream:
         except grpc.aio.AioRpcError as exc:
             reason = _short(exc)
         except asyncio.CancelledError:
-            self._fail("client closed")
+            self._fail("abandoned" if self.reaped else "client closed")
             raise
         self._fail(reason)
 
