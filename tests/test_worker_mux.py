@@ -227,18 +227,24 @@ def test_a_killed_worker_fails_calls_in_flight_then_the_client_reconnects_and_si
             w2.stop()
 
 
+async def hung_listener() -> tuple[asyncio.Server, list[asyncio.StreamWriter]]:
+    """A worker that hangs, as the kernel sees it: a real TCP listener on 127.0.0.1 that accepts
+    connections and never answers (its connections are kept, to be aborted by the test)."""
+    conns: list[asyncio.StreamWriter] = []
+
+    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+
+    return await asyncio.start_server(hold, "127.0.0.1", 0), conns
+
+
 async def test_a_stream_that_breaks_under_an_abandoned_call_ends_cleanly() -> None:
     """A call past its deadline stays on its stream, abandoned, until its end; when the stream
     then breaks (the worker's process goes away), its reader ends without an error: the abandoned
     call has no caller to tell. It raised `AttributeError` there (seen in the schemathesis test,
     whose made-up workers' polls time out). The hung worker is a real TCP listener on 127.0.0.1
     that accepts the connection and never answers, then closes it."""
-    conns: list[asyncio.StreamWriter] = []
-
-    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        conns.append(w)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    server, conns = await hung_listener()
     port = server.sockets[0].getsockname()[1]
     c = WorkerClient(f"127.0.0.1:{port}", mux=True)
     try:
@@ -268,12 +274,7 @@ async def test_streams_to_a_hung_worker_are_cancelled_once_nobody_listens(monkey
     Now a retired stream nobody listens on is cancelled `ABANDONED_S` after its retirement; one
     whose caller still waits (within its deadline) is kept until that caller gives up."""
     monkeypatch.setattr(mux_stream, "ABANDONED_S", 0.3)
-    conns: list[asyncio.StreamWriter] = []
-
-    async def hold(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        conns.append(w)
-
-    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    server, conns = await hung_listener()
     port = server.sockets[0].getsockname()[1]
     c = WorkerClient(f"127.0.0.1:{port}", mux=True)
     try:
