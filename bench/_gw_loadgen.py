@@ -7,9 +7,11 @@ import contextlib
 import json
 import multiprocessing as mp
 import signal
+import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -194,6 +196,27 @@ async def lg_closed_loop(
     }
 
 
+@contextlib.asynccontextmanager
+async def _worker_clients(
+    prefill: list[tuple[str, str]], decode: list[tuple[str, str]]
+) -> AsyncIterator[tuple[list[tuple[Any, str, str]], list[tuple[Any, str]]]]:
+    """The product's clients for the direct path, (client, epoch, address) per prefill worker and
+    (client, epoch) per decode worker, closed when the phase ends. A close that fails is reported,
+    not raised: the phase's figures are already taken."""
+    from app.rpc.worker_client import WorkerClient
+
+    pcs = [(WorkerClient(a), e, a) for a, e in prefill]
+    dcs = [(WorkerClient(a), e) for a, e in decode]
+    try:
+        yield pcs, dcs
+    finally:
+        for c in [p[0] for p in pcs] + [d[0] for d in dcs]:
+            try:
+                await c.close()
+            except Exception as exc:  # any close failure is reported; the figures are taken
+                print(f"loadgen: closing a worker client failed: {exc!r}", file=sys.stderr)
+
+
 async def _direct_one(
     pre: tuple[Any, str, str],
     dec: tuple[Any, str],
@@ -266,39 +289,30 @@ async def lg_e2e(
 ) -> dict[str, Any]:
     """n sequential requests through the gateway interleaved with n straight to the workers (same
     prompt sizes, fresh random prompts each: no prefix-cache hits on either path)."""
-    from app.rpc.worker_client import WorkerClient
-
     rng = np.random.default_rng(seed)
-    pcs = [(WorkerClient(a), e, a) for a, e in prefill]
-    dcs = [(WorkerClient(a), e) for a, e in decode]
     gw_ms: list[float] = []
     dir_ms: list[float] = []
     gw_url: list[int] = []  # which of `urls` answered each of gw_ms (they alternate)
     gw_codes: Counter[str] = Counter()
     dir_codes: Counter[str] = Counter()
     dir_cpu_s = 0.0  # this process's CPU (all threads) while it made the direct calls: nothing else runs
-    try:
-        async with _client(8) as client:
-            for i in range(n):
-                body = _body(rng, n_tokens, max_new)
-                t = time.perf_counter()
-                code = await _one(client, urls[i % len(urls)], body, max_new)
-                gw_codes[code] += 1
-                if code == "ok":
-                    gw_ms.append((time.perf_counter() - t) * 1000)
-                    gw_url.append(i % len(urls))
-                ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.int32)
-                rid = f"direct-{seed}-{i}-{uuid.uuid4().hex[:6]}"
-                c0 = time.process_time()
-                ms, code = await _direct_one(pcs[i % len(pcs)], dcs[i % len(dcs)], rid, ids, max_new)
-                dir_cpu_s += time.process_time() - c0
-                dir_codes[code] += 1
-                if code == "ok":
-                    dir_ms.append(ms)
-    finally:
-        for c in [p[0] for p in pcs] + [d[0] for d in dcs]:
-            with contextlib.suppress(Exception):
-                await c.close()
+    async with _worker_clients(prefill, decode) as (pcs, dcs), _client(8) as client:
+        for i in range(n):
+            body = _body(rng, n_tokens, max_new)
+            t = time.perf_counter()
+            code = await _one(client, urls[i % len(urls)], body, max_new)
+            gw_codes[code] += 1
+            if code == "ok":
+                gw_ms.append((time.perf_counter() - t) * 1000)
+                gw_url.append(i % len(urls))
+            ids = rng.integers(TOKEN_LO, TOKEN_HI, n_tokens).astype(np.int32)
+            rid = f"direct-{seed}-{i}-{uuid.uuid4().hex[:6]}"
+            c0 = time.process_time()
+            ms, code = await _direct_one(pcs[i % len(pcs)], dcs[i % len(dcs)], rid, ids, max_new)
+            dir_cpu_s += time.process_time() - c0
+            dir_codes[code] += 1
+            if code == "ok":
+                dir_ms.append(ms)
     return {
         "gateway_ms": gw_ms,
         "gateway_url": gw_url,
@@ -321,13 +335,9 @@ async def lg_direct_closed(
     """`concurrency` clients making the gateway's two gRPC calls straight to the workers
     (`_direct_one`) in a closed loop: the CPU those calls alone cost the product's client
     (`WorkerClient`, grpc.aio) per request, the floor under the gateway's own CPU per request."""
-    from app.rpc.worker_client import WorkerClient
-
-    pcs = [(WorkerClient(a), e, a) for a, e in prefill]
-    dcs = [(WorkerClient(a), e) for a, e in decode]
     loop = asyncio.get_running_loop()
     codes: Counter[str] = Counter()
-    try:
+    async with _worker_clients(prefill, decode) as (pcs, dcs):
         stop_at = loop.time() + duration
         c0, t0 = time.process_time(), loop.time()
 
@@ -346,10 +356,6 @@ async def lg_direct_closed(
         for t in pending:
             t.cancel()
         cpu_s, wall_s = time.process_time() - c0, loop.time() - t0
-    finally:
-        for c in [p[0] for p in pcs] + [d[0] for d in dcs]:
-            with contextlib.suppress(Exception):
-                await c.close()
     n = sum(codes.values())
     return {
         "concurrency": concurrency,
