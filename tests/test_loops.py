@@ -88,7 +88,10 @@ async def test_poller_survives_redis_loss_and_publishes_again(
         proxy.up()
         await until(lambda: _gt(seq(), frozen), 10)  # publishing again
         assert poller._task is not None and not poller._task.done()
-        assert loops.problems() == []
+        # The snapshot lands mid-iteration (the cache publish and the loop's `ok` come after it, and
+        # that publish may meet a pooled connection the outage closed): healthy once an iteration
+        # completes, within a bound.
+        await until(lambda: _true(loops.problems() == []), 5)
     finally:
         await poller.stop()
         await poller.client.close()
